@@ -1,0 +1,95 @@
+"""The machine-readable capabilities document: what this install can do, here."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any, Literal
+
+from pydantic import Field
+
+from sparkrun_coldsnap import __version__, plugins
+from sparkrun_coldsnap.capsule import media
+from sparkrun_coldsnap.capsule.config import CAPSULE_FORMAT
+from sparkrun_coldsnap.hostinfo import host_facts
+from sparkrun_coldsnap.receipts import RECEIPT_FORMAT
+from sparkrun_coldsnap.request import REQUEST_FORMAT
+from sparkrun_coldsnap.strict import Strict
+
+CAPABILITIES_FORMAT = 1
+
+
+class EngineCaps(Strict):
+    name: str
+    runtimes: tuple[str, ...]
+    weight_paths: dict[str, tuple[str, ...]] = Field(description="Weight paths after restore, by platform (cpu, gpu).")
+
+
+class DriverCaps(Strict):
+    name: str
+    summary: str
+    weights: Literal["in-image", "external"]
+    available_here: bool
+    reason: str
+    qualification: dict[str, Any] = Field(default_factory=dict, description="What has and has not been qualified on real hardware.")
+
+
+class Formats(Strict):
+    request: int
+    capsule_config: int
+    receipt: int
+    capabilities: int
+    artifact_type: str
+    config_media_type: str
+    layer_media_types: tuple[str, ...]
+
+
+class HostCaps(Strict):
+    arch: str
+    kernel: str
+    nvidia_driver: str | None
+    gpus: tuple[str, ...]
+
+
+class Capabilities(Strict):
+    format: Literal[1] = CAPABILITIES_FORMAT
+    tool_version: str
+    sparkrun_version: str | None
+    engines: tuple[EngineCaps, ...]
+    drivers: tuple[DriverCaps, ...]
+    formats: Formats
+    stores: tuple[str, ...]
+    host: HostCaps
+
+
+def collect() -> Capabilities:
+    reg = plugins.registry()
+    host = host_facts()
+    try:
+        sparkrun_version = importlib.metadata.version("sparkrun")
+    except importlib.metadata.PackageNotFoundError:
+        sparkrun_version = None
+    engines = []
+    for a in sorted(reg.engines.values(), key=lambda a: a.name):
+        c = a.capabilities()
+        engines.append(EngineCaps(name=c["name"], runtimes=tuple(c["runtimes"]), weight_paths={k: tuple(v) for k, v in c["weight_paths"].items()}))
+    drivers = []
+    for d in reg.drivers_by_preference():
+        c = d.capabilities(host)
+        drivers.append(DriverCaps(**c))
+    return Capabilities(
+        tool_version=__version__,
+        sparkrun_version=sparkrun_version,
+        engines=tuple(engines),
+        drivers=tuple(drivers),
+        formats=Formats(
+            request=REQUEST_FORMAT,
+            capsule_config=CAPSULE_FORMAT,
+            receipt=RECEIPT_FORMAT,
+            capabilities=CAPABILITIES_FORMAT,
+            artifact_type=media.ARTIFACT_TYPE,
+            config_media_type=media.CONFIG_MEDIA_TYPE,
+            layer_media_types=media.LAYER_TYPES,
+        ),
+        stores=("oci-image-layout",),
+        host=HostCaps(arch=host.cpu_arch, kernel=host.kernel_release, nvidia_driver=host.gpu.nvidia_driver, gpus=tuple(g.name for g in host.gpu.gpus)),
+    )

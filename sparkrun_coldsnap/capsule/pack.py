@@ -1,0 +1,178 @@
+"""Process images to layers and back.
+
+Each launch unit becomes two layers: ``state`` (everything CRIU wrote except
+memory pages, plus saved shared-memory files) and ``pages`` (the memory). A
+layer is a tar, compressed with zstd only where a sample shows it pays: the
+memory of an inference server is mostly zero pages (KV cache, ring buffers),
+which compress ~15x and decompress at several GB/s, while random-looking
+weights do not compress and would only cost time. Unpacking verifies the
+blob digest and writes zero blocks as holes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Callable
+
+import zstandard
+
+from sparkrun_coldsnap.capsule import media
+from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor
+from sparkrun_coldsnap.errors import IntegrityError, StoreError
+from sparkrun_coldsnap.sparse import write_sparse
+
+SAMPLE = 4 << 20
+PAYS_RATIO = 0.8
+ZSTD_LEVEL = 3
+
+Tick = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class PackedLayer:
+    path: Path
+    digest: str
+    size: int
+    media_type: str
+    annotations: dict[str, str]
+
+    def descriptor(self) -> Descriptor:
+        return Descriptor(self.media_type, self.digest, self.size, self.annotations)
+
+
+class _HashingWriter:
+    def __init__(self, f: BinaryIO) -> None:
+        self.f = f
+        self.h = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.h.update(data)
+        self.f.write(data)
+        self.size += len(data)
+        return len(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+class _CountingReader:
+    def __init__(self, f: BinaryIO, tick: Tick | None) -> None:
+        self.f = f
+        self.tick = tick
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        if self.tick and data:
+            self.tick(len(data))
+        return data
+
+
+def compression_pays(files: list[Path]) -> bool:
+    """Compress a few samples of the largest files; does zstd save >= 20%?"""
+    raw = packed = 0
+    comp = zstandard.ZstdCompressor(level=1)
+    for path in sorted(files, key=lambda p: p.stat().st_size, reverse=True)[:3]:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            for offset in {0, max(size // 2 - SAMPLE // 2, 0)}:
+                f.seek(offset)
+                chunk = f.read(SAMPLE)
+                raw += len(chunk)
+                packed += len(comp.compress(chunk))
+    return raw > 0 and packed / raw < PAYS_RATIO
+
+
+def _groups(images: Path) -> dict[str, list[Path]]:
+    files = sorted(p for p in images.rglob("*") if p.is_file())
+    pages = [p for p in files if p.parent == images and p.name.startswith("pages-")]
+    state = [p for p in files if p not in set(pages)]
+    return {"state": state, "pages": pages}
+
+
+def pack_unit(images: Path, unit: str, out_dir: Path, *, tick: Tick | None = None) -> list[PackedLayer]:
+    """Tar the unit's images into staged layer files under *out_dir*."""
+    layers = []
+    for part, files in _groups(images).items():
+        if not files:
+            continue
+        compress = compression_pays(files)
+        unpacked = sum(p.stat().st_size for p in files)
+        out = out_dir / ("%s-%s.tar%s" % (unit, part, ".zst" if compress else ""))
+        try:
+            with open(out, "wb") as raw:
+                hw = _HashingWriter(raw)
+                if compress:
+                    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1, write_content_size=False)
+                    stream: BinaryIO = cctx.stream_writer(hw, closefd=False)  # type: ignore[assignment]
+                else:
+                    stream = hw  # type: ignore[assignment]
+                with tarfile.open(fileobj=stream, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+                    for path in files:
+                        arcname = "%s/%s" % (unit, path.relative_to(images).as_posix())
+                        info = tar.gettarinfo(str(path), arcname=arcname)
+                        info.uid = info.gid = 0
+                        info.uname = info.gname = ""
+                        info.mtime = 0
+                        with open(path, "rb") as f:
+                            tar.addfile(info, _CountingReader(f, tick))
+                if compress:
+                    stream.close()
+                raw.flush()
+                os.fsync(raw.fileno())
+        except OSError as err:
+            raise StoreError("cannot write layer %s: %s" % (out, err.strerror or err)) from err
+        layers.append(
+            PackedLayer(
+                path=out,
+                digest="sha256:" + hw.h.hexdigest(),
+                size=hw.size,
+                media_type=media.LAYER_TAR_ZSTD if compress else media.LAYER_TAR,
+                annotations={
+                    media.A_TITLE: out.name,
+                    media.A_UNIT: unit,
+                    media.A_PART: part,
+                    media.A_UNPACKED_SIZE: str(unpacked),
+                },
+            )
+        )
+    return layers
+
+
+def _safe_member(member: tarfile.TarInfo, dest: Path) -> Path:
+    name = member.name
+    if name.startswith("/") or ".." in Path(name).parts or not (member.isfile() or member.isdir()):
+        raise IntegrityError("layer member %r is not a plain relative file: refusing to unpack it" % name)
+    return dest / name
+
+
+def unpack_layer(store: CapsuleStore, desc: Descriptor, dest: Path, *, tick: Tick | None = None) -> int:
+    """Verify and unpack one layer into *dest*; returns bytes written."""
+    if desc.media_type not in media.LAYER_TYPES:
+        raise IntegrityError("layer %s has media type %s, not a capsule layer" % (desc.digest, desc.media_type))
+    written = 0
+    with store.open_blob(desc) as blob:
+        counted = _CountingReader(blob, tick)  # type: ignore[arg-type]
+        source: BinaryIO = zstandard.ZstdDecompressor().stream_reader(counted, closefd=False) if desc.media_type == media.LAYER_TAR_ZSTD else counted  # type: ignore[assignment]
+        try:
+            with tarfile.open(fileobj=source, mode="r|") as tar:
+                for member in tar:
+                    target = _safe_member(member, dest)
+                    if member.isdir():
+                        target.mkdir(parents=True, exist_ok=True)
+                        continue
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    data = tar.extractfile(member)
+                    assert data is not None
+                    with open(target, "wb") as out:
+                        written += write_sparse(data, out, member.size)
+                    os.chmod(target, member.mode & 0o7777)
+        except (tarfile.TarError, zstandard.ZstdError, EOFError) as err:
+            blob.verify_rest()  # a damaged blob is the likelier story: say so if it is
+            raise IntegrityError("layer %s is not a readable tar%s: %s" % (desc.digest, "+zstd" if desc.media_type == media.LAYER_TAR_ZSTD else "", err)) from err
+        blob.verify_rest()
+    return written

@@ -1,0 +1,371 @@
+"""The local capsule store: an OCI image layout directory.
+
+Layout (OCI image-spec 1.1 image-layout.md): ``oci-layout``, ``index.json``
+and ``blobs/sha256/<hex>``. Index entries carry the capsule reference
+(``name:tag``) in ``org.opencontainers.image.ref.name``. Beside the layout the
+store keeps ``.staging/`` (private work directories, published by rename),
+``.lock`` (serializes index updates) and ``receipts/``.
+
+Every blob is verified against its digest whenever it is read; nothing is
+written in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator
+
+from sparkrun_coldsnap.atomic import explain_os_error, fsync_dir, staging_dir, write_bytes
+from sparkrun_coldsnap.capsule import media
+from sparkrun_coldsnap.digests import CHUNK, HashingReader, canonical_json, hex_of, is_digest, sha256_bytes, short
+from sparkrun_coldsnap.errors import IntegrityError, NotFoundError, RequestError, StoreError
+
+LAYOUT_VERSION = {"imageLayoutVersion": "1.0.0"}
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    media_type: str
+    digest: str
+    size: int
+    annotations: dict[str, str] | None = None
+    artifact_type: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"mediaType": self.media_type, "digest": self.digest, "size": self.size}
+        if self.artifact_type:
+            out["artifactType"] = self.artifact_type
+        if self.annotations:
+            out["annotations"] = dict(self.annotations)
+        return out
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> "Descriptor":
+        try:
+            digest = doc["digest"]
+            if not is_digest(digest):
+                raise ValueError(digest)
+            return cls(
+                media_type=str(doc["mediaType"]),
+                digest=digest,
+                size=int(doc["size"]),
+                annotations=dict(doc.get("annotations") or {}) or None,
+                artifact_type=doc.get("artifactType"),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise StoreError("malformed OCI descriptor %r: %s" % (doc, err)) from err
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    ref: str | None
+    descriptor: Descriptor
+
+
+def split_ref(ref: str) -> tuple[str, str]:
+    """``name[:tag]`` -> (name, tag); tag defaults to ``latest``."""
+    name, sep, tag = ref.rpartition(":")
+    if not sep or "/" in tag:
+        return ref, "latest"
+    return name, tag
+
+
+class VerifiedReader:
+    """A blob stream that raises IntegrityError at EOF if the content is wrong."""
+
+    def __init__(self, f: BinaryIO, digest: str, size: int, path: Path) -> None:
+        self._reader = HashingReader(f)
+        self._f = f
+        self.digest = digest
+        self.size = size
+        self.path = path
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._reader.read(n)
+        if (n < 0 or not data) or self._reader.size >= self.size:
+            self._check_if_done(data, n)
+        return data
+
+    def _check_if_done(self, data: bytes, n: int) -> None:
+        if self._reader.size > self.size:
+            raise IntegrityError("blob %s is larger than recorded (%d > %d bytes): the store is damaged; delete and re-pull or recapture" % (short(self.digest), self._reader.size, self.size))
+        if not data or n < 0:
+            if self._reader.size != self.size or self._reader.digest != self.digest:
+                raise IntegrityError(
+                    "blob %s failed verification (got %s, %d bytes): the store is damaged; delete the capsule and re-pull or recapture"
+                    % (short(self.digest), short(self._reader.digest), self._reader.size)
+                )
+
+    def verify_rest(self) -> None:
+        """Read to the end, so the digest check runs even if the consumer stopped early."""
+        while self.read(CHUNK):
+            pass
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class CapsuleStore:
+    """A local OCI image layout holding capsules (and any other OCI artifacts)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root).expanduser()
+
+    # -- layout ---------------------------------------------------------
+
+    @property
+    def blobs(self) -> Path:
+        return self.root / "blobs" / "sha256"
+
+    @property
+    def staging(self) -> Path:
+        return self.root / ".staging"
+
+    @property
+    def receipts(self) -> Path:
+        return self.root / "receipts"
+
+    def exists(self) -> bool:
+        return (self.root / "oci-layout").is_file() and (self.root / "index.json").is_file()
+
+    def init(self) -> "CapsuleStore":
+        """Create the layout if missing; check it if present."""
+        if self.root.exists() and not self.root.is_dir():
+            raise RequestError("capsule store %s is not a directory: point the store elsewhere" % self.root)
+        layout = self.root / "oci-layout"
+        if layout.exists():
+            try:
+                doc = json.loads(layout.read_text())
+            except (OSError, ValueError) as err:
+                raise StoreError("capsule store %s has an unreadable oci-layout file: %s" % (self.root, err)) from err
+            if doc.get("imageLayoutVersion") != "1.0.0":
+                raise StoreError("capsule store %s has OCI layout version %r; only 1.0.0 is supported" % (self.root, doc.get("imageLayoutVersion")))
+        else:
+            try:
+                self.blobs.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise StoreError(explain_os_error(err, self.root)) from err
+            write_bytes(layout, json.dumps(LAYOUT_VERSION).encode())
+        if not (self.root / "index.json").exists():
+            self._write_index([])
+        return self
+
+    def _require(self) -> None:
+        if not self.exists():
+            raise NotFoundError("no capsule store at %s: capture a capsule first, or pass --store with an existing store" % self.root)
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Serialize read-modify-write of index.json across processes."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise StoreError(explain_os_error(err, self.root)) from err
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    # -- blobs ----------------------------------------------------------
+
+    def blob_path(self, digest: str) -> Path:
+        return self.blobs / hex_of(digest)
+
+    def has_blob(self, digest: str, size: int | None = None) -> bool:
+        p = self.blob_path(digest)
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            return False
+        return size is None or st.st_size == size
+
+    def publish_blob_file(self, staged: Path, digest: str, size: int) -> None:
+        """Move an already-hashed staged file into ``blobs/`` (same filesystem)."""
+        target = self.blob_path(digest)
+        try:
+            if target.exists() and target.stat().st_size == size:
+                staged.unlink()
+                return
+            with open(staged, "rb") as f:
+                os.fsync(f.fileno())
+            os.chmod(staged, 0o444)
+            os.replace(staged, target)
+            fsync_dir(target.parent)
+        except OSError as err:
+            raise StoreError(explain_os_error(err, target)) from err
+
+    def put_bytes(self, data: bytes, media_type: str, annotations: dict[str, str] | None = None, artifact_type: str | None = None) -> Descriptor:
+        digest = sha256_bytes(data)
+        if not self.has_blob(digest, len(data)):
+            try:
+                self.blobs.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise StoreError(explain_os_error(err, self.blobs)) from err
+            write_bytes(self.blob_path(digest), data, mode=0o444)
+        return Descriptor(media_type, digest, len(data), annotations, artifact_type)
+
+    def put_json(self, doc: dict[str, Any], media_type: str, **kw: Any) -> Descriptor:
+        return self.put_bytes(canonical_json(doc), media_type, **kw)
+
+    @contextlib.contextmanager
+    def open_blob(self, desc: Descriptor) -> Iterator[VerifiedReader]:
+        path = self.blob_path(desc.digest)
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError as err:
+            raise NotFoundError("blob %s is missing from the store %s: re-pull the capsule or recapture" % (short(desc.digest), self.root)) from err
+        except OSError as err:
+            raise StoreError("cannot read blob %s: %s" % (path, err.strerror)) from err
+        reader = VerifiedReader(f, desc.digest, desc.size, path)
+        try:
+            yield reader
+        finally:
+            reader.close()
+
+    def read_blob(self, desc: Descriptor, *, limit: int = 64 << 20) -> bytes:
+        if desc.size > limit:
+            raise StoreError("blob %s is %d bytes, too large to read into memory" % (short(desc.digest), desc.size))
+        with self.open_blob(desc) as r:
+            data = r.read()
+        return data
+
+    def read_json(self, desc: Descriptor) -> dict[str, Any]:
+        data = self.read_blob(desc)
+        try:
+            doc = json.loads(data)
+        except ValueError as err:
+            raise IntegrityError("blob %s is not JSON: %s" % (short(desc.digest), err)) from err
+        if not isinstance(doc, dict):
+            raise IntegrityError("blob %s is not a JSON object" % short(desc.digest))
+        return doc
+
+    def verify_blob(self, desc: Descriptor) -> None:
+        with self.open_blob(desc) as r:
+            r.verify_rest()
+
+    # -- index ----------------------------------------------------------
+
+    def _read_index(self) -> dict[str, Any]:
+        path = self.root / "index.json"
+        try:
+            doc = json.loads(path.read_text())
+        except FileNotFoundError:
+            return {"schemaVersion": 2, "mediaType": media.OCI_INDEX, "manifests": []}
+        except (OSError, ValueError) as err:
+            raise StoreError("capsule store index %s is unreadable: %s" % (path, err)) from err
+        if doc.get("schemaVersion") != 2 or not isinstance(doc.get("manifests"), list):
+            raise StoreError("capsule store index %s is not an OCI image index (schemaVersion 2)" % path)
+        return doc
+
+    def _write_index(self, manifests: list[dict[str, Any]]) -> None:
+        doc = {"schemaVersion": 2, "mediaType": media.OCI_INDEX, "manifests": manifests}
+        write_bytes(self.root / "index.json", (json.dumps(doc, indent=2) + "\n").encode())
+
+    def entries(self) -> list[IndexEntry]:
+        if not self.exists():
+            return []
+        out = []
+        for m in self._read_index()["manifests"]:
+            desc = Descriptor.from_json(m)
+            out.append(IndexEntry((desc.annotations or {}).get(media.A_REF_NAME), desc))
+        return out
+
+    def tag(self, ref: str, desc: Descriptor) -> None:
+        """Point *ref* (``name:tag``) at *desc*, replacing what it pointed at."""
+        name, tag = split_ref(ref)
+        full = "%s:%s" % (name, tag)
+        annotations = dict(desc.annotations or {})
+        annotations[media.A_REF_NAME] = full
+        entry = Descriptor(desc.media_type, desc.digest, desc.size, annotations, desc.artifact_type).to_json()
+        with self.locked():
+            manifests = [m for m in self._read_index()["manifests"] if (m.get("annotations") or {}).get(media.A_REF_NAME) != full]
+            manifests.append(entry)
+            self._write_index(manifests)
+
+    def resolve(self, ref: str) -> IndexEntry:
+        """Find a manifest by ``name[:tag]``, by digest, or by a unique digest prefix."""
+        entries = self.entries()
+        if ref.startswith("sha256:"):
+            hits = [e for e in entries if e.descriptor.digest.startswith(ref)]
+            uniq = {e.descriptor.digest for e in hits}
+            if len(uniq) == 1:
+                return hits[0]
+            if len(uniq) > 1:
+                raise RequestError("digest prefix %s is ambiguous in %s: give more digits" % (ref, self.root))
+        else:
+            name, tag = split_ref(ref)
+            for e in entries:
+                if e.ref == "%s:%s" % (name, tag):
+                    return e
+        known = ", ".join(sorted(e.ref or short(e.descriptor.digest) for e in entries)) or "none"
+        raise NotFoundError("capsule %s is not in the store %s (known: %s): capture it with `sparkrun coldsnap capture` or pull it" % (ref, self.root, known))
+
+    def untag(self, ref: str) -> IndexEntry:
+        entry = self.resolve(ref)
+        with self.locked():
+            manifests = []
+            for m in self._read_index()["manifests"]:
+                same_ref = entry.ref is not None and (m.get("annotations") or {}).get(media.A_REF_NAME) == entry.ref
+                same_digest = entry.ref is None and m.get("digest") == entry.descriptor.digest
+                if not (same_ref or same_digest):
+                    manifests.append(m)
+            self._write_index(manifests)
+        return entry
+
+    # -- garbage collection ---------------------------------------------
+
+    def referenced_blobs(self) -> set[str]:
+        """Every blob reachable from the index (manifests, configs, layers, subjects)."""
+        seen: set[str] = set()
+        stack = [e.descriptor for e in self.entries()]
+        while stack:
+            desc = stack.pop()
+            if desc.digest in seen:
+                continue
+            seen.add(desc.digest)
+            if desc.media_type in (media.OCI_MANIFEST, media.OCI_INDEX) and self.has_blob(desc.digest):
+                try:
+                    doc = self.read_json(desc)
+                except StoreError:
+                    continue
+                for key in ("config",):
+                    if isinstance(doc.get(key), dict):
+                        stack.append(Descriptor.from_json(doc[key]))
+                for key in ("layers", "manifests", "blobs"):
+                    for d in doc.get(key) or []:
+                        stack.append(Descriptor.from_json(d))
+        return seen
+
+    def gc(self) -> tuple[int, int]:
+        """Delete unreferenced blobs; returns (count, bytes) removed."""
+        with self.locked():
+            keep = {hex_of(d) for d in self.referenced_blobs()}
+            count = size = 0
+            if self.blobs.is_dir():
+                for p in self.blobs.iterdir():
+                    if p.name not in keep:
+                        size += p.stat().st_size
+                        p.unlink()
+                        count += 1
+            shutil.rmtree(self.staging, ignore_errors=True)
+        return count, size
+
+    def staging_dir(self, prefix: str):  # -> contextmanager[Path]
+        return staging_dir(self.staging, prefix)
+
+    def new_staging_dir(self, prefix: str) -> Path:
+        """A private directory the caller removes itself (it outlives one call)."""
+        try:
+            self.staging.mkdir(parents=True, exist_ok=True)
+            return Path(tempfile.mkdtemp(prefix=prefix, dir=self.staging))
+        except OSError as err:
+            raise StoreError(explain_os_error(err, self.staging)) from err

@@ -1,0 +1,48 @@
+"""``sparkrun coldsnap bench RECIPE --samples N``: vanilla start vs restore, medians and a plot."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import click
+
+from sparkrun_coldsnap.cli.common import check_recipe_file, emit_json, host_tuple, open_store, parse_overrides, store_option, target_options
+
+
+@click.command("bench")
+@click.argument("recipe")
+@target_options
+@store_option
+@click.option("--samples", type=click.IntRange(1, 50), default=3, show_default=True, help="Samples of each path.")
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None, help="Where bench.json and bench.png go (default: bench-out/<time>).")
+@click.option("--keep-page-cache", is_flag=True, help="Do not drop the page cache before each sample (not comparable with published numbers).")
+@click.option("--json", "as_json", is_flag=True, help="Print the results document.")
+def bench(recipe, hosts, cluster, options, offline, store, samples, out_dir, keep_page_cache, as_json):
+    """Measure time to first token: vanilla start against ColdSnap restore of RECIPE.
+
+    Captures the recipe first if its capsule does not exist yet.
+    """
+    from sparkrun_coldsnap import bench as bench_mod, controller, sparkrun_bridge
+    from sparkrun_coldsnap.progress import Progress
+
+    doc = check_recipe_file(recipe)
+    capsule_store = open_store(store, doc)
+    progress = Progress(quiet=as_json)
+    actx = sparkrun_bridge.plan_activation(recipe, hosts=host_tuple(hosts), cluster=cluster, overrides=parse_overrides(options), offline=offline)
+    req = sparkrun_bridge.restore_request(actx)
+    if not bench_mod.ensure_capsule(capsule_store, req.capsule.ref):
+        progress.step("no capsule %s yet: capturing it first" % req.capsule.ref)
+        controller.capture(sparkrun_bridge.capture_request(actx), store=capsule_store, base_env=dict(os.environ), progress=progress)
+    result = bench_mod.run(req, store=capsule_store, samples=samples, base_env=dict(os.environ), progress=progress, drop_cache=not keep_page_cache)
+    target = out_dir or Path("bench-out") / time.strftime("%Y%m%dT%H%M%S")
+    json_path, png = bench_mod.write(result, target)
+    if as_json:
+        emit_json(result)
+        return
+    click.echo(bench_mod.table(result))
+    click.echo("results: %s%s" % (json_path, ("; plot: %s" % png) if png else " (install matplotlib for the plot)"))
+
+
+COMMANDS = [bench]

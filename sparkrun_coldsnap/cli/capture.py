@@ -1,0 +1,61 @@
+"""``sparkrun coldsnap capture RECIPE``: start, validate and capture a workload once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from sparkrun_coldsnap.cli.common import check_recipe_file, emit_json, host_tuple, open_store, parse_overrides, store_option, target_options
+from sparkrun_coldsnap.digests import short
+from sparkrun_coldsnap.errors import ColdsnapError
+from sparkrun_coldsnap.progress import Progress
+from sparkrun_coldsnap.receipts import receipt_path, write_receipt
+
+
+@click.command("capture")
+@click.argument("recipe")
+@target_options
+@store_option
+@click.option("--tag", default=None, help="Capsule tag (default: the recipe's coldsnap.capsule.tag, else latest).")
+@click.option("--receipt", "receipt_file", type=click.Path(path_type=Path), default=None, help="Write the receipt here (default: beside the capsule).")
+@click.option("--json", "as_json", is_flag=True, help="Print the receipt as JSON.")
+def capture(recipe, hosts, cluster, options, offline, store, tag, receipt_file, as_json):
+    """Launch RECIPE's engine, validate it with a real request and capture it into a capsule."""
+    from sparkrun_coldsnap import controller, sparkrun_bridge
+
+    doc = check_recipe_file(recipe)
+    capsule_store = open_store(store, doc)
+    actx = sparkrun_bridge.plan_activation(recipe, hosts=host_tuple(hosts), cluster=cluster, overrides=parse_overrides(options), offline=offline)
+    req = sparkrun_bridge.capture_request(actx)
+    if tag:
+        req = req.model_copy(update={"capsule": req.capsule.model_copy(update={"tag": tag})})
+    progress = Progress(quiet=as_json)
+    try:
+        out = controller.capture(req, store=capsule_store, base_env=dict(os.environ), progress=progress)
+    except ColdsnapError as err:
+        rec = getattr(err, "receipt", None)
+        if rec is not None:
+            try:
+                path = write_receipt(rec, receipt_path(receipt_file, capsule_store.receipts, req.capsule.name, rec))
+                err.args = ("%s (receipt: %s)" % (err, path),)
+            except ColdsnapError:
+                pass
+        raise
+    path = write_receipt(out.receipt, receipt_path(receipt_file, capsule_store.receipts, req.capsule.name, out.receipt))
+    if as_json:
+        emit_json(out.receipt.model_dump(mode="json"))
+        return
+    cap = out.capsule
+    assert cap is not None
+    r = out.receipt
+    click.echo("captured %s -> %s in %s" % (req.capsule.ref, short(cap.digest), capsule_store.root))
+    click.echo("  engine %s, driver %s, weights %s; images %.0f MB, capsule %.0f MB" % (
+        cap.config.engine.name, cap.config.driver, cap.config.weights.location, r.details.get("image_bytes", 0) / 1e6, cap.size / 1e6))  # fmt: skip
+    click.echo("  vanilla start to first token %.1f s; capture %.1f s in all" % (r.details.get("vanilla_ttft_seconds") or 0, r.total_seconds))
+    click.echo("  receipt %s" % path)
+    click.echo("restore it with: sparkrun run %s" % recipe)
+
+
+COMMANDS = [capture]

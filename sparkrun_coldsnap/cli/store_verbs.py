@@ -1,0 +1,111 @@
+"""Verbs on the local capsule store: list, inspect, verify, delete."""
+
+from __future__ import annotations
+
+import click
+
+from sparkrun_coldsnap.capsule import capsule as capsule_mod
+from sparkrun_coldsnap.cli.common import emit_json, open_store, store_option
+from sparkrun_coldsnap.digests import short
+from sparkrun_coldsnap.errors import ColdsnapError
+from sparkrun_coldsnap.progress import Progress
+
+
+def _summary(cap: capsule_mod.Capsule) -> dict:
+    c = cap.config
+    return {
+        "ref": cap.ref,
+        "digest": cap.digest,
+        "created": c.created,
+        "engine": "%s %s" % (c.engine.name, c.engine.version or ""),
+        "driver": c.driver,
+        "model": "%s@%s" % (c.workload.model.id, c.workload.model.revision),
+        "weights": c.weights.location,
+        "size": cap.size,
+    }
+
+
+@click.command("list")
+@store_option
+@click.option("--json", "as_json", is_flag=True)
+def list_capsules(store, as_json):
+    """List the capsules in the local store."""
+    s = open_store(store)
+    rows = []
+    for entry in s.entries():
+        try:
+            rows.append(_summary(capsule_mod.open_entry(s, entry)))
+        except ColdsnapError as err:
+            rows.append({"ref": entry.ref, "digest": entry.descriptor.digest, "error": err.message})
+    if as_json:
+        emit_json({"store": str(s.root), "capsules": rows})
+        return
+    if not rows:
+        click.echo("no capsules in %s" % s.root)
+        return
+    click.echo("%-28s %-20s %-12s %-6s %9s  %s" % ("CAPSULE", "DIGEST", "ENGINE", "DRIVER", "SIZE", "CREATED"))
+    for r in rows:
+        if "error" in r:
+            click.echo("%-28s %-20s damaged: %s" % (r["ref"], short(r["digest"]), r["error"]))
+            continue
+        click.echo("%-28s %-20s %-12s %-6s %7.0fMB  %s" % (r["ref"], short(r["digest"]), r["engine"].strip(), r["driver"], r["size"] / 1e6, r["created"]))
+
+
+@click.command("inspect")
+@click.argument("capsule")
+@store_option
+@click.option("--json", "as_json", is_flag=True, help="Print manifest and config as JSON.")
+def inspect(capsule, store, as_json):
+    """Show a capsule's manifest, config and layers (CAPSULE is name[:tag] or a digest)."""
+    s = open_store(store)
+    cap = capsule_mod.open_capsule(s, capsule)
+    if as_json:
+        emit_json({"ref": cap.ref, "digest": cap.digest, "manifest": cap.manifest, "config": cap.config.model_dump(mode="json")})
+        return
+    c = cap.config
+    for k, v in _summary(cap).items():
+        click.echo("%-9s %s" % (k + ":", v if k != "size" else "%.1f MB" % (v / 1e6)))
+    click.echo("request:  %s" % c.request_sha256)
+    click.echo("command:  %s" % c.workload.launch.command)
+    click.echo("validation: %r -> %r" % (c.validation.prompt, c.validation.reply))
+    fp = c.fingerprint
+    click.echo("fingerprint: %s, kernel %s, criu %s, %s python %s torch %s, gpus %s" % (
+        fp.cpu_arch, fp.kernel_release, fp.criu_version, fp.engine, fp.python_version, fp.torch_version, len(fp.gpus)))  # fmt: skip
+    click.echo("layers:")
+    for d in cap.layers:
+        a = d.annotations or {}
+        click.echo("  %s %-40s %9.1f MB  %s" % (short(d.digest), a.get("org.opencontainers.image.title", ""), d.size / 1e6, d.media_type.rsplit(".", 1)[-1]))
+    for u in c.units:
+        click.echo("unit %s on %s: %d processes, %.0f MB of images, %d shared files" % (u.name, u.host, len(u.pids), u.image_bytes / 1e6, len(u.shared_files)))
+
+
+@click.command("verify")
+@click.argument("capsule")
+@store_option
+@click.option("--json", "as_json", is_flag=True)
+def verify(capsule, store, as_json):
+    """Re-hash every blob of a capsule; fails on the first that does not match its digest."""
+    s = open_store(store)
+    cap = capsule_mod.open_capsule(s, capsule)
+    progress = Progress(quiet=as_json)
+    total = sum(d.size for d in cap.layers)
+    with progress.transfer("verifying %s" % capsule, total):
+        checked = capsule_mod.verify(s, cap)
+    if as_json:
+        emit_json({"ref": cap.ref, "digest": cap.digest, "verified_bytes": checked, "blobs": len(cap.layers) + 2, "ok": True})
+    else:
+        click.echo("%s (%s): manifest, config and %d layers verified (%.1f MB)" % (capsule, short(cap.digest), len(cap.layers), checked / 1e6))
+
+
+@click.command("delete")
+@click.argument("capsule")
+@store_option
+def delete(capsule, store):
+    """Remove a capsule from the local store and free blobs no other capsule uses."""
+    s = open_store(store)
+    entry = s.untag(capsule)
+    count, size = s.gc()
+    click.echo("deleted %s (%s); freed %d blobs, %.1f MB" % (entry.ref or capsule, short(entry.descriptor.digest), count, size / 1e6))
+
+
+COMMANDS = [list_capsules, inspect, verify, delete]

@@ -1,0 +1,115 @@
+"""What a snapshot driver does: check support, capture a unit's process tree, restore it."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+from pydantic import Field
+
+from sparkrun_coldsnap.hostinfo import HostFacts
+from sparkrun_coldsnap.strict import Strict
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class RestoredUnit:
+    root_pid: int
+    #: the driver took over the staging directory (it still reads the images).
+    images_handed_over: bool = False
+
+
+@dataclass(frozen=True)
+class Support:
+    ok: bool
+    reason: str
+
+
+class SharedFile(Strict):
+    """A file on a shared-memory filesystem the tree uses; CRIU does not save its content."""
+
+    path: str = Field(description="Absolute path the workload used, e.g. /dev/shm/psm_1a2b.")
+    size: int
+    mode: int
+    stored: str = Field(description="Where its content sits inside the unit's image directory.")
+
+
+class UnitImage(Strict):
+    """What a driver recorded about one captured unit; goes into the capsule config."""
+
+    name: str
+    host: str
+    driver: str
+    root_pid: int = Field(description="Host PID of the tree's root at capture.")
+    pids: tuple[int, ...] = Field(description="Host PIDs of every process of the tree at capture.")
+    pid_namespace: bool = Field(description="The tree ran in its own PID namespace (restore needs no free host PIDs).")
+    log_resource: str | None = Field(None, description="The output file as CRIU names it; a fresh one replaces it at restore.")
+    shared_files: tuple[SharedFile, ...] = ()
+    tcp_established: bool = False
+    image_bytes: int = 0
+    criu_version: str | None = None
+    driver_data: dict[str, Any] = Field(default_factory=dict)
+
+
+class SnapshotDriver(ABC):
+    name: ClassVar[str]
+    #: lower sorts first when ``driver: auto`` picks.
+    preference: ClassVar[int] = 100
+    summary: ClassVar[str] = ""
+    #: where weights are after capture: inside the process images, or outside.
+    weights_in_image: ClassVar[bool] = False
+    #: launch units for capture run in their own PID namespace.
+    pid_namespace: ClassVar[bool] = True
+    #: the engine must release device memory before capture.
+    needs_release: ClassVar[bool] = False
+    #: "serving": capture the validated, serving engine; "template": capture it
+    #: before it touches the accelerator, and let it go on (``resume``) after.
+    boundary: ClassVar[str] = "serving"
+
+    def resume(self, root_pid: int) -> None:
+        """Let a template go on past its boundary (template drivers only)."""
+        from sparkrun_coldsnap.errors import CaptureError
+
+        raise CaptureError("driver %s captures serving engines; it has no boundary to resume from" % self.name)
+
+    @abstractmethod
+    def support(self, host: HostFacts) -> Support:
+        """Can this driver capture and restore on *host*?"""
+
+    def launch_env(self, env: dict[str, str]) -> dict[str, str]:
+        """Environment additions the engine needs to be capturable by this driver."""
+        return env
+
+    @abstractmethod
+    def precheck(self, root_pid: int) -> list[str]:
+        """Everything in the running tree that cannot be captured (empty: go ahead)."""
+
+    @abstractmethod
+    def checkpoint(self, root_pid: int, images: Path, *, unit: str, host: str, progress: Progress) -> UnitImage:
+        """Capture the tree rooted at *root_pid* into *images*; the tree is gone afterwards."""
+
+    @abstractmethod
+    def admission(self, unit: UnitImage) -> list[str]:
+        """Host-side problems that would make restoring *unit* fail (PIDs, files in use)."""
+
+    @abstractmethod
+    def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None) -> "RestoredUnit":
+        """Restore *unit* from *images*.
+
+        *owned_dir* is the staging directory holding *images*; a driver that
+        still reads the images after returning (memory restored on demand)
+        takes it over and removes it when done, and says so in the result.
+        """
+
+    def capabilities(self, host: HostFacts) -> dict[str, Any]:
+        s = self.support(host)
+        return {
+            "name": self.name,
+            "summary": self.summary,
+            "weights": "in-image" if self.weights_in_image else "external",
+            "available_here": s.ok,
+            "reason": s.reason,
+        }

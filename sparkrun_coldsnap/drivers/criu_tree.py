@@ -1,0 +1,246 @@
+"""CRIU dump and restore of one process tree, with what CRIU leaves out.
+
+Three things a plain ``criu dump``/``criu restore`` pair gets wrong for an
+inference server, handled here:
+
+* files on shared-memory filesystems (``/dev/shm/psm_*`` ring buffers, named
+  semaphores) that still have a name: CRIU records only their path, not their
+  content, so the content at dump time is saved beside the images and put
+  back before each restore;
+* ``link_remap.N`` files CRIU creates during the dump for files whose mapped
+  name was deleted but which still have another link: restore consumes them,
+  so they are saved with the images and recreated before each restore (else a
+  capsule restores once);
+* the output file: CRIU refuses a regular file whose size changed since the
+  dump, so restore hands it a fresh log through ``--inherit-fd``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+
+from sparkrun_coldsnap import paths
+from sparkrun_coldsnap.drivers import tree_inspect
+from sparkrun_coldsnap.drivers.base import Progress, SharedFile, UnitImage
+from sparkrun_coldsnap.drivers.criu_tool import Criu, log_tail
+from sparkrun_coldsnap.errors import CaptureError, RestoreError
+from sparkrun_coldsnap.proc import run
+from sparkrun_coldsnap.launch.local import tree_pids
+from sparkrun_coldsnap.sparse import copy_sparse
+
+BASE_FLAGS = ("--ext-unix-sk", "--file-locks", "--link-remap", "--ghost-limit", "256M")
+# Every established connection is between processes of the frozen tree
+# (capture refuses others), so no packet can reach them mid-dump: the network
+# lock, which needs iptables or nftables, is not needed.
+TCP_FLAGS = ("--tcp-established", "--network-lock", "skip")
+SHARED_DIR = "coldsnap-shared"
+log = logging.getLogger(__name__)
+DUMP_LOG = "dump.log"
+RESTORE_LOG = "restore.log"
+
+
+def _output_resource(root_pid: int) -> str | None:
+    """The regular file the root writes its stdout to, in CRIU's spelling (no leading '/')."""
+    for fd, target in tree_inspect.fd_targets(root_pid):
+        if fd == 1 and target.startswith("/") and os.path.isfile(target):
+            return target.lstrip("/")
+    return None
+
+
+def _remap_dirs(paths: list[str]) -> set[Path]:
+    return {Path("/dev/shm")} | {Path(p).parent for p in paths}
+
+
+def _listing(dirs: set[Path]) -> set[Path]:
+    out = set()
+    for d in dirs:
+        try:
+            out.update(d / n for n in os.listdir(d) if n.startswith("link_remap."))
+        except OSError:
+            continue
+    return out
+
+
+def dump(
+    criu: Criu, root_pid: int, images: Path, *, unit: str, host: str, driver: str, pid_namespace: bool, progress: Progress, leave_running: bool = False,
+) -> UnitImage:  # fmt: skip
+    """Dump the tree at *root_pid* into *images*; on success the tree is gone unless *leave_running*."""
+    images.mkdir(parents=True, exist_ok=True)
+    pids = tuple(tree_pids(root_pid))
+    shared = tree_inspect.shared_memory_files(root_pid)
+    tcp = tree_inspect.established_inside(root_pid)
+    resource = _output_resource(root_pid)
+    dirs = _remap_dirs(shared)
+    before = _listing(dirs)
+    args = ["dump", "-t", str(root_pid), "-D", str(images), "-o", DUMP_LOG, *BASE_FLAGS, *(TCP_FLAGS if tcp else ())]
+    if leave_running:
+        args.append("--leave-running")
+    progress("criu dump of %d processes" % len(pids))
+    done = criu.run(args, timeout=1800, what="criu dump")
+    if done.returncode != 0:
+        raise CaptureError("criu dump of pid %d failed: %s; the workload was left running" % (root_pid, log_tail(images / DUMP_LOG)))
+    remaps = sorted(_listing(dirs) - before)
+    saved = _save_shared(images, [Path(p) for p in shared] + remaps, owner_gone=not leave_running)
+    size = sum(f.stat().st_size for f in images.rglob("*") if f.is_file())
+    return UnitImage(
+        name=unit,
+        host=host,
+        driver=driver,
+        root_pid=root_pid,
+        pids=pids,
+        pid_namespace=pid_namespace,
+        log_resource=resource,
+        shared_files=tuple(saved),
+        tcp_established=tcp,
+        image_bytes=size,
+        criu_version=criu.version,
+    )
+
+
+def _save_shared(images: Path, files: list[Path], *, owner_gone: bool) -> list[SharedFile]:
+    """Copy shared-memory files into the images; remove them when their tree is gone."""
+    out = []
+    target = images / SHARED_DIR
+    target.mkdir(exist_ok=True)
+    for i, path in enumerate(files):
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            continue
+        stored = "%s/%03d-%s" % (SHARED_DIR, i, path.name)
+        copy_sparse(path, images / stored)
+        out.append(SharedFile(path=str(path), size=st.st_size, mode=st.st_mode & 0o7777, stored=stored))
+        if owner_gone or path.name.startswith("link_remap."):
+            # The content now lives in the capsule (and link-remap files are CRIU's own).
+            path.unlink(missing_ok=True)
+    (target / "index.json").write_text(json.dumps([f.model_dump() for f in out], indent=1))
+    return out
+
+
+def users_of(paths: set[str]) -> dict[str, list[str]]:
+    """Which live processes have any of *paths* open or mapped."""
+    found: dict[str, list[str]] = {}
+    if not paths:
+        return found
+    for p in psutil.process_iter(["pid", "name"]):
+        try:
+            held = {t for _, t in tree_inspect.fd_targets(p.pid)} | tree_inspect.mapped_paths(p.pid)
+        except psutil.Error:
+            continue
+        for path in paths & held:
+            found.setdefault(path, []).append("%d (%s)" % (p.pid, p.info["name"]))
+    return found
+
+
+def shared_file_problems(unit: UnitImage) -> list[str]:
+    paths = {f.path for f in unit.shared_files}
+    return [
+        "%s is in use by pid %s: stop that workload before restoring this capsule" % (path, ", ".join(who))
+        for path, who in sorted(users_of(paths).items())
+    ]
+
+
+def _place_shared(unit: UnitImage, images: Path) -> list[Path]:
+    placed = []
+    for f in unit.shared_files:
+        dst = Path(f.path)
+        copy_sparse(images / f.stored, dst, mode=f.mode)
+        placed.append(dst)
+    return placed
+
+
+def lazy_pages_supported(criu: Criu) -> bool:
+    """Can this kernel and CRIU restore memory on demand (userfaultfd)?"""
+    if os.environ.get("COLDSNAP_LAZY_PAGES", "1") == "0":
+        return False
+    return _uffd(criu.argv)
+
+
+@functools.lru_cache(maxsize=4)
+def _uffd(argv: tuple[str, ...]) -> bool:
+    return run([*argv, "check", "--feature", "uffd-noncoop"], timeout=60, check=False).returncode == 0
+
+
+def _start_lazy_daemon(criu: Criu, images: Path, owned_dir: Path | None) -> subprocess.Popen:
+    """``criu lazy-pages`` serving *images*, then removing *owned_dir* once every page is delivered.
+
+    It outlives this process (its own session): the restored tree depends on it
+    until the last page has moved, which it does in the background.
+    """
+    socket_path = images / "lazy-pages.socket"
+    socket_path.unlink(missing_ok=True)
+    log_path = paths.run_dir() / "logs" / ("lazy-pages-%d.log" % os.getpid())
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    script = '"$@"; rc=$?; [ -n "$COLDSNAP_REMOVE" ] && rm -rf -- "$COLDSNAP_REMOVE"; exit $rc'
+    env = {**os.environ, "COLDSNAP_REMOVE": str(owned_dir) if owned_dir else ""}
+    daemon = subprocess.Popen(
+        ["sh", "-c", script, "lazy-pages", *criu.argv, "lazy-pages", "-D", str(images), "-o", str(log_path)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 10
+    while not socket_path.exists():
+        if daemon.poll() is not None or time.monotonic() > deadline:
+            _stop_daemon(daemon)
+            raise RestoreError("criu lazy-pages did not start: %s" % log_tail(log_path))
+        time.sleep(0.005)
+    return daemon
+
+
+def _stop_daemon(daemon: subprocess.Popen) -> None:
+    try:
+        os.killpg(daemon.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    daemon.wait()
+
+
+def restore(
+    criu: Criu, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, lazy: bool = False, owned_dir: Path | None = None,
+    extra_args: tuple[str, ...] = (),
+) -> tuple[int, bool]:  # fmt: skip
+    """Restore *unit* detached; returns the host PID of its root and whether *owned_dir* was handed over.
+
+    With *lazy*, memory pages are not copied before the tree resumes: a
+    ``criu lazy-pages`` daemon fills them on first touch and streams the rest
+    in the background, then removes *owned_dir* (the staged images).
+    """
+    pidfile = images / "restore.pid"
+    pidfile.unlink(missing_ok=True)
+    t_files = time.monotonic()
+    placed = _place_shared(unit, images)
+    log.debug("placed %d shared files in %.3f s", len(placed), time.monotonic() - t_files)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    daemon = None
+    try:
+        inherit = ["--inherit-fd", "fd[%d]:%s" % (log_fd, unit.log_resource)] if unit.log_resource else []
+        args = ["restore", "-d", "-D", str(images), "-o", RESTORE_LOG, "--pidfile", str(pidfile), *BASE_FLAGS]
+        args += list(TCP_FLAGS if unit.tcp_established else ()) + inherit + list(extra_args)
+        if lazy:
+            daemon = _start_lazy_daemon(criu, images, owned_dir)
+            args.append("--lazy-pages")
+        progress("criu restore%s" % (" (memory on demand)" if lazy else ""))
+        t = time.monotonic()
+        done = criu.run(args, timeout=1800, pass_fds=(log_fd,), what="criu restore")
+        log.debug("criu restore took %.3f s", time.monotonic() - t)
+    finally:
+        os.close(log_fd)
+    if done.returncode != 0:
+        if daemon is not None:
+            _stop_daemon(daemon)
+        for p in placed:
+            p.unlink(missing_ok=True)
+        raise RestoreError("criu restore of unit %s failed after %.1f s: %s" % (unit.name, time.monotonic() - t, log_tail(images / RESTORE_LOG)))
+    try:
+        return int(pidfile.read_text().strip()), daemon is not None and owned_dir is not None
+    except (OSError, ValueError) as err:
+        raise RestoreError("criu restore of unit %s reported success but wrote no pidfile: %s" % (unit.name, err)) from err

@@ -1,0 +1,185 @@
+"""The CUDA driver's process checkpoint API around a CRIU dump, in the right order.
+
+Capture: lock every CUDA process of the workload before checkpointing any
+(a process left running could talk to one already frozen), then checkpoint
+each (device memory moves to host memory, device fds close). Restore:
+restore every process before unlocking any. A failure part-way rolls back so
+the workload is left running, or reports exactly which process is stuck.
+
+The calls go through a long-lived helper process (``cuda_helper.py``) that
+runs in a Python with ``cuda-bindings``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import psutil
+
+from sparkrun_coldsnap.errors import CaptureError, RestoreError, ToolError
+
+HELPER = Path(__file__).with_name("cuda_helper.py")
+LOCK_TIMEOUT_MS = 30_000
+
+
+class CheckpointApi(Protocol):
+    def state(self, pid: int) -> str: ...
+    def lock(self, pid: int, timeout_ms: int) -> None: ...
+    def checkpoint(self, pid: int) -> None: ...
+    def restore(self, pid: int, pairs: Sequence[tuple[str, str]]) -> None: ...
+    def unlock(self, pid: int) -> None: ...
+    def uuids(self) -> list[str]: ...
+
+
+class CudaCallError(RuntimeError):
+    """One checkpoint API call failed; ``str()`` is the CUDA error name."""
+
+
+class HelperProcess:
+    """CheckpointApi over the helper's JSON-lines protocol."""
+
+    def __init__(self, python: str) -> None:
+        try:
+            self.proc = subprocess.Popen([python, str(HELPER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        except FileNotFoundError as err:
+            raise ToolError("cannot start the CUDA checkpoint helper: %s not found" % python) from err
+        self.driver_version = int(self._call({"op": "init"})["driver"])
+
+    def _call(self, msg: dict) -> dict:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            raise ToolError("the CUDA checkpoint helper exited: %s" % (err.strip().splitlines() or ["no output"])[-1])
+        out = json.loads(line)
+        if not out.get("ok"):
+            raise CudaCallError(out.get("error") or "unknown error")
+        return out
+
+    def state(self, pid: int) -> str:
+        return self._call({"op": "state", "pid": pid})["state"]
+
+    def lock(self, pid: int, timeout_ms: int) -> None:
+        self._call({"op": "lock", "pid": pid, "timeout_ms": timeout_ms})
+
+    def checkpoint(self, pid: int) -> None:
+        self._call({"op": "checkpoint", "pid": pid})
+
+    def restore(self, pid: int, pairs: Sequence[tuple[str, str]]) -> None:
+        self._call({"op": "restore", "pid": pid, "pairs": [list(p) for p in pairs]})
+
+    def unlock(self, pid: int) -> None:
+        self._call({"op": "unlock", "pid": pid})
+
+    def uuids(self) -> list[str]:
+        return list(self._call({"op": "uuids"})["uuids"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self._call({"op": "quit"})
+            except (ToolError, CudaCallError, BrokenPipeError, ValueError):
+                pass
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def helper_python() -> str:
+    """The interpreter for the helper: COLDSNAP_CUDA_PYTHON, else this one."""
+    return os.environ.get("COLDSNAP_CUDA_PYTHON") or sys.executable
+
+
+def cuda_processes(pids: Sequence[int]) -> list[int]:
+    """Those of *pids* that hold NVIDIA device files open (each has a CUDA context)."""
+    out = []
+    for pid in pids:
+        try:
+            targets = [os.readlink("/proc/%d/fd/%s" % (pid, fd)) for fd in os.listdir("/proc/%d/fd" % pid)]
+        except OSError:
+            continue
+        if any(t.startswith("/dev/nvidia") for t in targets):
+            out.append(pid)
+    return out
+
+
+def _name(pid: int) -> str:
+    try:
+        return "%d (%s)" % (pid, psutil.Process(pid).name())
+    except psutil.Error:
+        return str(pid)
+
+
+def checkpoint_all(api: CheckpointApi, pids: Sequence[int], *, timeout_ms: int = LOCK_TIMEOUT_MS) -> None:
+    """Lock all, then checkpoint all; on failure put every process back to running."""
+    locked: list[int] = []
+    done: list[int] = []
+    try:
+        for pid in pids:
+            try:
+                api.lock(pid, timeout_ms)
+            except CudaCallError as err:
+                raise CaptureError("cannot lock CUDA process %s within %d ms (%s): is it stuck in a kernel or a collective? the workload was left running" % (_name(pid), timeout_ms, err)) from err
+            locked.append(pid)
+        for pid in pids:
+            try:
+                api.checkpoint(pid)
+            except CudaCallError as err:
+                raise CaptureError("CUDA checkpoint of process %s failed (%s); the workload was left running" % (_name(pid), err)) from err
+            done.append(pid)
+    except CaptureError as err:
+        problems = _roll_back(api, locked, done)
+        if problems:
+            err.args = ("%s; rolling back also failed: %s" % (err, "; ".join(problems)),)
+        raise
+
+
+def _roll_back(api: CheckpointApi, locked: list[int], done: list[int]) -> list[str]:
+    problems = []
+    for pid in done:
+        try:
+            api.restore(pid, ())
+        except CudaCallError as err:
+            problems.append("restore %s: %s" % (_name(pid), err))
+    for pid in locked:
+        try:
+            api.unlock(pid)
+        except CudaCallError as err:
+            problems.append("unlock %s: %s" % (_name(pid), err))
+    return problems
+
+
+def restore_all(api: CheckpointApi, pids: Sequence[int], pairs: Sequence[tuple[str, str]] = ()) -> None:
+    """Restore all, then unlock all. A failure leaves the tree unusable: the caller stops it."""
+    for pid in pids:
+        try:
+            api.restore(pid, pairs)
+        except CudaCallError as err:
+            raise RestoreError("CUDA restore of process %s failed (%s, state %s)" % (_name(pid), err, _state(api, pid))) from err
+    for pid in pids:
+        try:
+            api.unlock(pid)
+        except CudaCallError as err:
+            raise RestoreError("CUDA unlock of process %s failed (%s, state %s)" % (_name(pid), err, _state(api, pid))) from err
+
+
+def _state(api: CheckpointApi, pid: int) -> str:
+    try:
+        return api.state(pid)
+    except CudaCallError as err:
+        return "unknown: %s" % err
+
+
+def gpu_pairs(captured: Sequence[str], here: Sequence[str]) -> list[tuple[str, str]]:
+    """Map captured GPUs to this host's by position when they differ (same model, checked at admission)."""
+    if list(captured) == list(here[: len(captured)]):
+        return []
+    return list(zip(captured, here))

@@ -1,0 +1,124 @@
+"""The long-lived CUDA checkpoint helper: runs in a Python that has ``cuda-bindings``.
+
+It is a separate process because the calls act on *other* processes and need
+a CUDA driver context of their own, and long-lived because every fresh
+process pays about 2.5 s of ``cuInit``. It reads one JSON command per line on
+stdin and answers one JSON line on stdout:
+
+    {"op": "init"}                                   -> {"ok": true, "driver": 12090}
+    {"op": "state", "pid": 123}                      -> {"ok": true, "state": "running"}
+    {"op": "lock", "pid": 123, "timeout_ms": 10000}  -> {"ok": true}
+    {"op": "checkpoint", "pid": 123}
+    {"op": "restore", "pid": 123, "pairs": [["GPU-old", "GPU-new"]]}
+    {"op": "unlock", "pid": 123}
+    {"op": "uuids"}                                  -> {"ok": true, "uuids": ["GPU-..."]}
+Failures answer {"ok": false, "error": "CUDA_ERROR_..."}.
+
+Standalone on purpose (no imports from the plugin): it runs in the engine's
+environment, which does not have the plugin installed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import uuid as uuidlib
+
+STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
+
+
+def _driver():
+    try:
+        from cuda.bindings import driver
+    except ImportError:  # older cuda-python layout
+        from cuda import cuda as driver  # type: ignore[no-redef]
+    return driver
+
+
+def _check(result):
+    err = result[0] if isinstance(result, tuple) else result
+    if int(err) != 0:
+        name = getattr(err, "name", None) or str(err)
+        raise RuntimeError(name)
+    return result[1:] if isinstance(result, tuple) else ()
+
+
+def _uuid_bytes(text: str) -> bytes:
+    return uuidlib.UUID(text.replace("GPU-", "")).bytes
+
+
+class Helper:
+    def __init__(self) -> None:
+        self.d = _driver()
+
+    def init(self, msg):
+        _check(self.d.cuInit(0))
+        (version,) = _check(self.d.cuDriverGetVersion())
+        return {"driver": int(version)}
+
+    def uuids(self, msg):
+        (count,) = _check(self.d.cuDeviceGetCount())
+        out = []
+        for i in range(int(count)):
+            (dev,) = _check(self.d.cuDeviceGet(i))
+            (u,) = _check(self.d.cuDeviceGetUuid(dev))
+            raw = bytes(u.bytes) if hasattr(u, "bytes") else bytes(u)
+            out.append("GPU-" + str(uuidlib.UUID(bytes=raw[:16])))
+        return {"uuids": out}
+
+    def state(self, msg):
+        (st,) = _check(self.d.cuCheckpointProcessGetState(int(msg["pid"])))
+        return {"state": STATES.get(int(st), str(int(st)))}
+
+    def lock(self, msg):
+        args = self.d.CUcheckpointLockArgs()
+        args.timeoutMs = int(msg.get("timeout_ms", 0))
+        _check(self.d.cuCheckpointProcessLock(int(msg["pid"]), args))
+        return {}
+
+    def checkpoint(self, msg):
+        _check(self.d.cuCheckpointProcessCheckpoint(int(msg["pid"]), None))
+        return {}
+
+    def restore(self, msg):
+        pairs = msg.get("pairs") or []
+        args = None
+        if pairs:
+            args = self.d.CUcheckpointRestoreArgs()
+            gpu_pairs = []
+            for old, new in pairs:
+                p = self.d.CUcheckpointGpuPair()
+                p.oldUuid.bytes = _uuid_bytes(old)
+                p.newUuid.bytes = _uuid_bytes(new)
+                gpu_pairs.append(p)
+            args.gpuPairs = gpu_pairs
+            args.gpuPairsCount = len(gpu_pairs)
+        _check(self.d.cuCheckpointProcessRestore(int(msg["pid"]), args))
+        return {}
+
+    def unlock(self, msg):
+        _check(self.d.cuCheckpointProcessUnlock(int(msg["pid"]), None))
+        return {}
+
+
+def main() -> int:
+    try:
+        helper = Helper()
+    except Exception as err:  # noqa: BLE001 - reported to the controller, which explains it
+        print(json.dumps({"ok": False, "error": "cannot load cuda-bindings: %s" % err}), flush=True)
+        return 1
+    for line in sys.stdin:
+        msg = json.loads(line)
+        op = msg.get("op")
+        if op == "quit":
+            return 0
+        try:
+            out = getattr(helper, op)(msg)
+            print(json.dumps({"ok": True, **out}), flush=True)
+        except Exception as err:  # noqa: BLE001 - every failure becomes an answer
+            print(json.dumps({"ok": False, "error": str(err)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

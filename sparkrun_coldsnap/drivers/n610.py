@@ -1,0 +1,115 @@
+"""The ``n610`` driver: the fully initialized CUDA process.
+
+Before capture the engine releases weights and KV cache (its sleep mode), so
+what remains on the device (CUDA context, compiled kernels, captured graphs,
+allocator state) is small; the CUDA driver's checkpoint API moves it into host
+memory, and CRIU dumps the tree. Restore reverses it, then the engine
+hydrates its weights from the model files the capsule recorded.
+
+The tree runs in the host PID namespace (CUDA initialization failed inside a
+PID namespace on the qualification machine), so restore needs the captured
+PIDs free: admission checks and names any process holding one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from sparkrun_coldsnap.drivers import criu_tree, cuda_checkpoint, nvidia, tree_inspect
+from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, SnapshotDriver, Support, UnitImage
+from sparkrun_coldsnap.drivers.criu_tool import Criu
+from sparkrun_coldsnap.errors import CaptureError, ToolError
+from sparkrun_coldsnap.hookspecs import hookimpl
+from sparkrun_coldsnap.hostinfo import HostFacts
+from sparkrun_coldsnap.launch.local import kill_tree, tree_pids
+
+
+def pid_problems(pids: tuple[int, ...]) -> list[str]:
+    """Captured host PIDs that some process (even a zombie) holds now."""
+    out = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            out.append("captured PID %d is taken by %s (%s): restore needs it free; stop that process" % (pid, p.name(), p.status()))
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+class N610Driver(SnapshotDriver):
+    name = "n610"
+    preference = 10
+    summary = "initialized CUDA process: CUDA checkpoint API + CRIU, weights released before capture and hydrated after restore"
+    weights_in_image = False
+    pid_namespace = False
+    needs_release = True
+
+    def support(self, host: HostFacts) -> Support:
+        problem = nvidia.checkpoint_api_problem(host)
+        if problem:
+            return Support(False, problem)
+        try:
+            criu = Criu.locate()
+        except ToolError as err:
+            return Support(False, str(err))
+        major = nvidia.driver_major(host.gpu.nvidia_driver) or 0
+        ipc = "with CUDA IPC" if major >= nvidia.IPC_MIN else "without CUDA IPC (keep custom all-reduce off)"
+        return Support(True, "driver %s, %s; criu %s" % (host.gpu.nvidia_driver, ipc, criu.version))
+
+    def precheck(self, root_pid: int) -> list[str]:
+        # Device files are allowed here: the checkpoint API closes them before the dump.
+        return tree_inspect.problems(root_pid, allowed_device_prefixes=("/dev/nvidia",))
+
+    def checkpoint(self, root_pid: int, images: Path, *, unit: str, host: str, progress: Progress) -> UnitImage:
+        pids = tuple(tree_pids(root_pid))
+        cuda = cuda_checkpoint.cuda_processes(pids)
+        if not cuda:
+            raise CaptureError("no process of the workload holds a CUDA context: is the engine running on the GPU?")
+        api = cuda_checkpoint.HelperProcess(cuda_checkpoint.helper_python())
+        try:
+            uuids = api.uuids()
+            progress("CUDA checkpoint of %d processes" % len(cuda))
+            cuda_checkpoint.checkpoint_all(api, cuda)
+            try:
+                image = criu_tree.dump(Criu.locate(), root_pid, images, unit=unit, host=host, driver=self.name, pid_namespace=False, progress=progress)
+            except Exception:
+                cuda_checkpoint.restore_all(api, cuda)  # back to running: the workload stays as it was
+                raise
+        finally:
+            api.close()
+        data: dict[str, Any] = {"cuda_pids": cuda, "gpu_uuids": uuids, "driver_version": api.driver_version}
+        return image.model_copy(update={"driver_data": data})
+
+    def admission(self, unit: UnitImage) -> list[str]:
+        return pid_problems(unit.pids) + criu_tree.shared_file_problems(unit)
+
+    def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None) -> RestoredUnit:
+        pid, _ = criu_tree.restore(Criu.locate(), unit, images, log_path=log_path, progress=progress, lazy=False)
+        api = cuda_checkpoint.HelperProcess(cuda_checkpoint.helper_python())
+        try:
+            pairs = cuda_checkpoint.gpu_pairs(unit.driver_data.get("gpu_uuids", ()), api.uuids())
+            progress("CUDA restore of %d processes%s" % (len(unit.driver_data.get("cuda_pids", ())), " onto other GPUs" if pairs else ""))
+            cuda_checkpoint.restore_all(api, unit.driver_data.get("cuda_pids", ()), pairs)
+        except BaseException:
+            kill_tree(pid, grace=2.0)
+            raise
+        finally:
+            api.close()
+        return RestoredUnit(pid)
+
+    def capabilities(self, host: HostFacts) -> dict[str, Any]:
+        out = super().capabilities(host)
+        out["qualification"] = {
+            "x86_64_without_cuda_ipc": "driver >= %d" % nvidia.MIN_X86,
+            "aarch64": "driver >= %d" % nvidia.MIN_ARM,
+            "cuda_ipc": "needs driver >= %d with processes started under the driver's checkpoint job file; unqualified: no such driver was available" % nvidia.IPC_MIN,
+        }
+        return out
+
+
+@hookimpl
+def register_drivers(register) -> None:
+    register(N610Driver())

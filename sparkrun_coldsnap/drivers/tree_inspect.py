@@ -1,0 +1,161 @@
+"""Read a running process tree from /proc and list what CRIU cannot capture.
+
+CRIU's own errors for these cases are cryptic (an io_uring fd fails as
+"send_fds failed (-22)") and arrive after the tree was frozen, so capture
+checks first and names each offending process, descriptor and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+# Character devices any process may hold that CRIU restores by path.
+HARMLESS_DEVICES = {"/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/ptmx"}
+SHARED_MEMORY_DIRS = ("/dev/shm/",)
+
+_TCP_STATES = {"01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "04": "FIN_WAIT1", "05": "FIN_WAIT2", "06": "TIME_WAIT",
+               "07": "CLOSE", "08": "CLOSE_WAIT", "09": "LAST_ACK", "0A": "LISTEN", "0B": "CLOSING"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TcpSocket:
+    inode: int
+    local: tuple[str, int]
+    remote: tuple[str, int]
+    state: str
+
+
+def tree(root_pid: int) -> list[psutil.Process]:
+    root = psutil.Process(root_pid)
+    return [root] + root.children(recursive=True)
+
+
+def _label(p: psutil.Process) -> str:
+    try:
+        return "pid %d (%s)" % (p.pid, p.name())
+    except psutil.Error:
+        return "pid %d" % p.pid
+
+
+def fd_targets(pid: int) -> list[tuple[int, str]]:
+    out = []
+    base = "/proc/%d/fd" % pid
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return out
+    for name in names:
+        try:
+            out.append((int(name), os.readlink(os.path.join(base, name))))
+        except OSError:
+            continue
+    return sorted(out)
+
+
+def mapped_paths(pid: int) -> set[str]:
+    out = set()
+    try:
+        with open("/proc/%d/maps" % pid) as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and parts[5].startswith("/"):
+                    out.add(parts[5].rstrip("\n"))
+    except OSError:
+        pass
+    return out
+
+
+def _addr(hexaddr: str) -> tuple[str, int]:
+    host, port = hexaddr.split(":")
+    raw = bytes.fromhex(host)
+    if len(raw) == 4:
+        ip = socket.inet_ntop(socket.AF_INET, struct.pack("<I", int(host, 16)))
+    else:
+        words = struct.unpack("<4I", raw)
+        ip = socket.inet_ntop(socket.AF_INET6, struct.pack(">4I", *words))
+    return ip, int(port, 16)
+
+
+def tcp_sockets(pid: int) -> list[TcpSocket]:
+    """Every TCP socket of the network namespace *pid* lives in."""
+    out = []
+    for name in ("tcp", "tcp6"):
+        try:
+            with open("/proc/%d/net/%s" % (pid, name)) as f:
+                next(f)
+                for line in f:
+                    cols = line.split()
+                    out.append(TcpSocket(int(cols[9]), _addr(cols[1]), _addr(cols[2]), _TCP_STATES.get(cols[3], cols[3])))
+        except (OSError, StopIteration, ValueError, IndexError):
+            continue
+    return out
+
+
+def _socket_inode(target: str) -> int | None:
+    if target.startswith("socket:[") and target.endswith("]"):
+        return int(target[8:-1])
+    return None
+
+
+def problems(root_pid: int, *, allowed_device_prefixes: tuple[str, ...] = ()) -> list[str]:
+    """Everything in the tree that CRIU cannot capture, each with its fix."""
+    procs = tree(root_pid)
+    found: list[str] = []
+    owner: dict[int, tuple[psutil.Process, int]] = {}
+    for p in procs:
+        for fd, target in fd_targets(p.pid):
+            ino = _socket_inode(target)
+            if ino is not None:
+                owner[ino] = (p, fd)
+            elif target == "anon_inode:[io_uring]":
+                found.append("%s fd %d: an io_uring instance; start the engine with io_uring disabled (kernel.io_uring_disabled=2)" % (_label(p), fd))
+            elif target.startswith("/dev/") and not target.startswith(SHARED_MEMORY_DIRS):
+                if target in HARMLESS_DEVICES or target.startswith(("/dev/pts/",) + allowed_device_prefixes):
+                    continue
+                try:
+                    is_char = stat.S_ISCHR(os.stat(target).st_mode)
+                except OSError:
+                    is_char = False
+                if is_char:
+                    found.append("%s fd %d: device %s that this driver cannot capture" % (_label(p), fd, target))
+        for path in mapped_paths(p.pid):
+            if path.startswith("/dev/") and not path.startswith(SHARED_MEMORY_DIRS + allowed_device_prefixes) and path not in HARMLESS_DEVICES:
+                found.append("%s maps device %s that this driver cannot capture" % (_label(p), path))
+    sockets = tcp_sockets(root_pid)
+    by_endpoints = {(s.local, s.remote): s for s in sockets}
+    for s in sockets:
+        if s.inode not in owner or s.state in ("LISTEN", "CLOSE"):
+            continue
+        peer = by_endpoints.get((s.remote, s.local))
+        if peer is not None and peer.inode in owner:
+            continue  # both ends inside the tree: CRIU restores the pair
+        p, fd = owner[s.inode]
+        found.append(
+            "%s fd %d: TCP connection %s:%d -> %s:%d (%s) to a peer outside the workload; close it before capture"
+            % (_label(p), fd, s.local[0], s.local[1], s.remote[0], s.remote[1], s.state)
+        )
+    return sorted(set(found))
+
+
+def established_inside(root_pid: int) -> bool:
+    """Does the tree hold TCP connections between its own processes?"""
+    owned = {ino for p in tree(root_pid) for _, t in fd_targets(p.pid) if (ino := _socket_inode(t)) is not None}
+    return any(s.inode in owned and s.state not in ("LISTEN", "CLOSE") for s in tcp_sockets(root_pid))
+
+
+def shared_memory_files(root_pid: int) -> list[str]:
+    """Files on shared-memory filesystems the tree has open or mapped (not deleted ones)."""
+    out: set[str] = set()
+    for p in tree(root_pid):
+        candidates = {t for _, t in fd_targets(p.pid)} | mapped_paths(p.pid)
+        for path in candidates:
+            if path.startswith(SHARED_MEMORY_DIRS) and not path.endswith(" (deleted)") and Path(path).is_file():
+                out.add(path)
+    return sorted(out)

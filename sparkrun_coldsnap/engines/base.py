@@ -1,0 +1,127 @@
+"""What an engine adapter does: launch flags, readiness, validation, memory release and hydration."""
+
+from __future__ import annotations
+
+import shlex
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Mapping
+
+from sparkrun_coldsnap.engines.openai_stream import StreamedReply, stream_chat, wait_until_ok
+from sparkrun_coldsnap.errors import EngineError
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    base_url: str
+    served_model: str
+
+
+@dataclass(frozen=True)
+class HydrationResult:
+    path: str  # "recovery" | "native" | "in-image"
+    seconds: float
+    files: int = 0
+    bytes: int = 0
+
+
+def flag_value(command: str, flag: str) -> str | None:
+    """Value of ``--flag VALUE`` or ``--flag=VALUE`` in a shell command line."""
+    try:
+        argv = shlex.split(command)
+    except ValueError:
+        return None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def has_flag(command: str, flag: str) -> bool:
+    try:
+        argv = shlex.split(command)
+    except ValueError:
+        return False
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+class EngineAdapter(ABC):
+    """One inference engine (vLLM, SGLang) as the controller needs to see it."""
+
+    name: ClassVar[str]
+    #: sparkrun runtime names whose workloads this adapter handles.
+    runtimes: ClassVar[tuple[str, ...]]
+    #: distribution names whose installed version is the engine's version.
+    distributions: ClassVar[tuple[str, ...]]
+    health_path: ClassVar[str] = "/health"
+    #: weight paths after restore, on GPUs (on the CPU weights stay in the image).
+    gpu_weight_paths: ClassVar[tuple[str, ...]] = ()
+    #: weight paths on the CPU (weights stay in the process images there).
+    cpu_weight_paths: ClassVar[tuple[str, ...]] = ("in-image",)
+    #: modules a pre-CUDA template imports before its boundary (n580 driver).
+    template_preload: ClassVar[tuple[str, ...]] = ()
+    #: console scripts and the module each one runs, for the template launcher.
+    console_scripts: ClassVar[dict[str, str]] = {}
+
+    # -- identity -------------------------------------------------------
+
+    def version(self, packages: Mapping[str, str]) -> str | None:
+        for dist in self.distributions:
+            if dist in packages:
+                return packages[dist]
+        return None
+
+    def served_model(self, command: str, model_id: str) -> str:
+        return flag_value(command, "--served-model-name") or model_id
+
+    def endpoint(self, command: str, model_id: str, port: int) -> Endpoint:
+        return Endpoint("http://127.0.0.1:%d" % port, self.served_model(command, model_id))
+
+    # -- launch ---------------------------------------------------------
+
+    def prepare_launch(self, command: str, env: Mapping[str, str], *, release_weights: bool) -> tuple[str, dict[str, str]]:
+        """Adjust the command/env so the engine can release memory before capture."""
+        return command, dict(env)
+
+    def wait_ready(self, endpoint: Endpoint, *, alive: Callable[[], bool], timeout: float, on_tick: Callable[[float], None] | None = None) -> float:
+        return wait_until_ok(endpoint.base_url + self.health_path, deadline_seconds=timeout, alive=alive, on_tick=on_tick)
+
+    def validate(self, endpoint: Endpoint, *, prompt: str, max_tokens: int, timeout: float) -> StreamedReply:
+        reply = stream_chat(endpoint.base_url, endpoint.served_model, prompt, max_tokens=max_tokens, timeout=timeout)
+        if not reply.text:
+            raise EngineError("the engine at %s answered the validation prompt with an empty reply" % endpoint.base_url)
+        return reply
+
+    # -- GPU memory around capture --------------------------------------
+
+    @abstractmethod
+    def release_memory(self, endpoint: Endpoint) -> None:
+        """Drop weights and KV cache from device memory before capture."""
+
+    @abstractmethod
+    def hydrate(self, endpoint: Endpoint, *, path: str, model_dir: str) -> HydrationResult:
+        """Bring weights back after restore by *path* (recovery or native)."""
+
+    def capabilities(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "runtimes": list(self.runtimes),
+            "weight_paths": {"cpu": list(self.cpu_weight_paths), "gpu": list(self.gpu_weight_paths)},
+        }
+
+
+def timed_post(url: str, *, json_body: Any = None, timeout: float = 600.0, what: str) -> float:
+    """POST and require 2xx; returns seconds taken."""
+    import requests
+
+    t = time.monotonic()
+    try:
+        r = requests.post(url, json=json_body, timeout=timeout, headers={"Connection": "close"})
+    except requests.RequestException as err:
+        raise EngineError("%s failed: %s" % (what, err)) from err
+    if not 200 <= r.status_code < 300:
+        raise EngineError("%s failed: HTTP %d: %s" % (what, r.status_code, r.text[:300]))
+    return time.monotonic() - t

@@ -1,0 +1,106 @@
+"""A streamed chat completion against an OpenAI-compatible server, timed.
+
+Validation is a real request: greedy (temperature 0, fixed seed) so the
+reply is reproducible, streamed so the first non-empty token can be timed.
+``Connection: close`` so no client connection is left established when the
+server is captured right after.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import requests
+
+from sparkrun_coldsnap.errors import EngineError
+
+
+@dataclass(frozen=True)
+class StreamedReply:
+    text: str
+    sent_at: float
+    first_token_at: float | None
+    finished_at: float
+
+    @property
+    def request_ttft(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.sent_at
+
+
+def chat_body(model: str, prompt: str, max_tokens: int) -> dict:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "seed": 0,
+        "stream": True,
+    }
+
+
+def stream_chat(base_url: str, model: str, prompt: str, *, max_tokens: int, timeout: float) -> StreamedReply:
+    url = base_url.rstrip("/") + "/v1/chat/completions"
+    parts: list[str] = []
+    first: float | None = None
+    sent = time.monotonic()
+    try:
+        with requests.post(url, json=chat_body(model, prompt, max_tokens), stream=True, timeout=timeout, headers={"Connection": "close"}) as r:
+            if r.status_code != 200:
+                raise EngineError("validation request to %s failed: HTTP %d: %s" % (url, r.status_code, r.text[:300]))
+            for raw in r.iter_lines():
+                if not raw.startswith(b"data:"):
+                    continue
+                data = raw[5:].strip()
+                if data == b"[DONE]":
+                    break
+                try:
+                    chunk = json.loads(data)
+                except ValueError as err:
+                    raise EngineError("validation stream from %s sent a malformed event: %r" % (url, data[:200])) from err
+                if chunk.get("error"):
+                    raise EngineError("validation stream from %s reported an error: %s" % (url, chunk["error"]))
+                for choice in chunk.get("choices") or []:
+                    piece = (choice.get("delta") or {}).get("content") or ""
+                    if piece:
+                        if first is None:
+                            first = time.monotonic()
+                        parts.append(piece)
+    except requests.RequestException as err:
+        raise EngineError("validation request to %s failed: %s" % (url, err)) from err
+    return StreamedReply("".join(parts), sent, first, time.monotonic())
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    try:
+        return requests.get(url, timeout=timeout, headers={"Connection": "close"}).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def wait_until_ok(
+    url: str,
+    *,
+    deadline_seconds: float,
+    alive: Callable[[], bool],
+    on_tick: Callable[[float], None] | None = None,
+    interval: float = 0.05,
+) -> float:
+    """Poll *url* until it answers 200; returns seconds waited.
+
+    Stops early with EngineError when *alive* says the server process died.
+    """
+    t0 = time.monotonic()
+    while True:
+        if http_ok(url, timeout=min(2.0, deadline_seconds)):
+            return time.monotonic() - t0
+        waited = time.monotonic() - t0
+        if not alive():
+            raise EngineError("the engine exited before %s answered (after %.0f s)" % (url, waited))
+        if waited > deadline_seconds:
+            raise EngineError("the engine did not answer %s within %.0f s: raise coldsnap.ready_timeout_seconds or check the engine log" % (url, deadline_seconds))
+        if on_tick is not None:
+            on_tick(waited)
+        time.sleep(interval)

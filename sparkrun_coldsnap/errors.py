@@ -1,0 +1,97 @@
+"""One error class per failure domain.
+
+Every error carries a stable ``code`` (it lands in receipts and in
+``--json`` output) and a one-line message that names the input at fault and
+the fix. The CLI prints ``message`` and exits non-zero; tracebacks appear only
+when debugging is asked for.
+"""
+
+from __future__ import annotations
+
+
+class ColdsnapError(Exception):
+    """Base class: a failure the user can act on."""
+
+    code = "coldsnap.error"
+    exit_code = 1
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0]) if self.args else self.code
+
+
+class RequestError(ColdsnapError):
+    """The recipe, its ``coldsnap:`` block or a command-line input is invalid."""
+
+    code = "request.invalid"
+    exit_code = 2
+
+
+class StoreError(ColdsnapError):
+    """The capsule store cannot be read or written, or a blob is damaged."""
+
+    code = "store.error"
+
+
+class IntegrityError(StoreError):
+    """A blob or manifest does not match its recorded digest."""
+
+    code = "store.integrity"
+
+
+class NotFoundError(StoreError):
+    """The named capsule, blob or reference is not in the store."""
+
+    code = "store.not_found"
+
+
+class CompatibilityError(ColdsnapError):
+    """Admission refused: this host differs from the one that captured."""
+
+    code = "admission.refused"
+
+
+class CaptureError(ColdsnapError):
+    """The running workload could not be captured."""
+
+    code = "capture.failed"
+
+
+class RestoreError(ColdsnapError):
+    """A capsule could not be restored into a running workload."""
+
+    code = "restore.failed"
+
+
+class ValidationError(ColdsnapError):
+    """The workload answered, but not with the reply recorded at capture."""
+
+    code = "validation.failed"
+
+
+class EngineError(ColdsnapError):
+    """The inference engine failed to start or to answer."""
+
+    code = "engine.failed"
+
+
+class ToolError(ColdsnapError):
+    """An external tool (criu, unshare, ...) is missing or failed."""
+
+    code = "tool.failed"
+
+
+class RegistryError(ColdsnapError):
+    """An OCI registry refused or failed a request."""
+
+    code = "registry.error"
+
+
+def describe_cleanup_failure(primary: BaseException, cleanup: BaseException) -> str:
+    """Report a cleanup failure beside the error that triggered the cleanup."""
+    return "%s (cleanup also failed: %s)" % (primary, cleanup)

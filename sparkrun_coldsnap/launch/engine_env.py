@@ -1,0 +1,87 @@
+"""Local engine environments: what an image is for a container workload.
+
+The engine runs in its own Python environment, apart from the plugin's, as it
+would in a container image. ``sparkrun coldsnap setup`` installs them under
+``$COLDSNAP_HOME/engines/<name>``; a recipe names one with
+``coldsnap.engine_env`` and the launch puts its ``bin`` first on PATH. Its
+identity (the digest of every installed distribution and version) is recorded
+at capture the way an image digest would be.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparkrun_coldsnap import paths
+from sparkrun_coldsnap.digests import canonical_json, sha256_bytes
+from sparkrun_coldsnap.errors import RequestError
+from sparkrun_coldsnap.proc import run
+
+_FACTS = r"""
+import json, sys, importlib.metadata as m
+pk = {}
+for d in m.distributions():
+    name = (d.metadata["Name"] or "").lower().replace("_", "-")
+    if name:
+        pk[name] = d.version
+print(json.dumps({"python": "%d.%d.%d" % sys.version_info[:3], "packages": pk}))
+"""
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    python_version: str
+    packages: dict[str, str]
+
+    @property
+    def digest(self) -> str:
+        return sha256_bytes(canonical_json(self.packages))
+
+    @property
+    def torch_version(self) -> str | None:
+        return self.packages.get("torch")
+
+
+@dataclass(frozen=True)
+class EngineEnv:
+    name: str
+    root: Path
+
+    @classmethod
+    def named(cls, name: str) -> "EngineEnv":
+        env = cls(name, paths.engine_env_dir(name))
+        if not env.python.exists():
+            known = sorted(p.name for p in paths.engines_dir().iterdir()) if paths.engines_dir().is_dir() else []
+            raise RequestError(
+                "engine environment %r is not installed at %s (installed: %s): run `sparkrun coldsnap setup --engine %s`"
+                % (name, env.root, ", ".join(known) or "none", name)
+            )
+        return env
+
+    @property
+    def bin(self) -> Path:
+        return self.root / "bin"
+
+    @property
+    def python(self) -> Path:
+        return self.bin / "python"
+
+    def apply(self, env: dict[str, str]) -> dict[str, str]:
+        """*env* with this environment's bin first on PATH."""
+        out = dict(env)
+        out["PATH"] = "%s:%s" % (self.bin, out.get("PATH", "/usr/local/bin:/usr/bin:/bin"))
+        out["VIRTUAL_ENV"] = str(self.root)
+        return out
+
+    def facts(self) -> EngineFacts:
+        return _facts(str(self.python))
+
+
+@functools.lru_cache(maxsize=8)
+def _facts(python: str) -> EngineFacts:
+    out = run([python, "-c", _FACTS], timeout=120, what="engine environment probe")
+    doc = json.loads(out.stdout)
+    return EngineFacts(doc["python"], dict(sorted(doc["packages"].items())))

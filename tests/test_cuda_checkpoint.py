@@ -1,0 +1,130 @@
+"""Ordering and failure handling of the CUDA checkpoint calls, against a fake of the API.
+
+CI has no GPU, so the driver's state machine is exercised here against
+``FakeCheckpointApi``: a fake of the CUDA driver's process checkpoint API that
+enforces the driver's documented transitions (RUNNING -lock-> LOCKED
+-checkpoint-> CHECKPOINTED -restore-> LOCKED -unlock-> RUNNING) and fails the
+way the driver does. The real API is exercised by benchmarks/gpu on the GPU
+machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sparkrun_coldsnap.drivers import cuda_checkpoint as cc
+from sparkrun_coldsnap.drivers.n610 import pid_problems
+from sparkrun_coldsnap.drivers.nvidia import checkpoint_api_problem
+from sparkrun_coldsnap.errors import CaptureError, RestoreError
+from sparkrun_coldsnap.hostinfo import GpuFacts, HostFacts
+from sparkrun_coldsnap.compat import GpuInfo
+
+
+class FakeCheckpointApi:
+    """A fake of cuCheckpointProcess*: same states, same illegal-transition errors."""
+
+    def __init__(self, pids, *, fail=None):
+        self.states = {pid: "running" for pid in pids}
+        self.fail = fail or {}  # (op, pid) -> CUDA error name
+        self.calls: list[tuple[str, int]] = []
+
+    def _step(self, op, pid, want, to):
+        self.calls.append((op, pid))
+        if (op, pid) in self.fail:
+            raise cc.CudaCallError(self.fail[(op, pid)])
+        if self.states.get(pid) != want:
+            raise cc.CudaCallError("CUDA_ERROR_ILLEGAL_STATE")
+        self.states[pid] = to
+
+    def state(self, pid):
+        return self.states[pid]
+
+    def lock(self, pid, timeout_ms):
+        self._step("lock", pid, "running", "locked")
+
+    def checkpoint(self, pid):
+        self._step("checkpoint", pid, "locked", "checkpointed")
+
+    def restore(self, pid, pairs):
+        self._step("restore", pid, "checkpointed", "locked")
+
+    def unlock(self, pid):
+        self._step("unlock", pid, "locked", "running")
+
+    def uuids(self):
+        return ["GPU-00000000-0000-0000-0000-000000000001"]
+
+
+PIDS = [101, 102, 103]
+
+
+def test_every_process_is_locked_before_any_is_checkpointed():
+    api = FakeCheckpointApi(PIDS)
+    cc.checkpoint_all(api, PIDS)
+    ops = [op for op, _ in api.calls]
+    assert ops == ["lock"] * 3 + ["checkpoint"] * 3
+    assert set(api.states.values()) == {"checkpointed"}
+
+
+def test_every_process_is_restored_before_any_is_unlocked():
+    api = FakeCheckpointApi(PIDS)
+    cc.checkpoint_all(api, PIDS)
+    api.calls.clear()
+    cc.restore_all(api, PIDS)
+    assert [op for op, _ in api.calls] == ["restore"] * 3 + ["unlock"] * 3
+    assert set(api.states.values()) == {"running"}
+
+
+def test_a_lock_timeout_leaves_the_workload_running():
+    api = FakeCheckpointApi(PIDS, fail={("lock", 103): "CUDA_ERROR_TIMEOUT"})
+    with pytest.raises(CaptureError, match=r"cannot lock CUDA process 103.*CUDA_ERROR_TIMEOUT.*left running"):
+        cc.checkpoint_all(api, PIDS, timeout_ms=500)
+    assert set(api.states.values()) == {"running"}
+    assert not any(op == "checkpoint" for op, _ in api.calls)
+
+
+def test_a_checkpoint_failure_rolls_back_the_ones_already_checkpointed():
+    api = FakeCheckpointApi(PIDS, fail={("checkpoint", 102): "CUDA_ERROR_NOT_SUPPORTED"})
+    with pytest.raises(CaptureError, match="CUDA checkpoint of process 102 failed"):
+        cc.checkpoint_all(api, PIDS)
+    assert set(api.states.values()) == {"running"}
+    assert ("restore", 101) in api.calls and ("restore", 102) not in api.calls
+
+
+def test_a_failed_rollback_is_reported_beside_the_first_error():
+    api = FakeCheckpointApi(PIDS, fail={("checkpoint", 102): "CUDA_ERROR_NOT_SUPPORTED", ("unlock", 103): "CUDA_ERROR_UNKNOWN"})
+    with pytest.raises(CaptureError, match="rolling back also failed: unlock 103"):
+        cc.checkpoint_all(api, PIDS)
+
+
+def test_a_restore_failure_names_the_process_and_its_state():
+    api = FakeCheckpointApi(PIDS)
+    cc.checkpoint_all(api, PIDS)
+    api.fail[("restore", 102)] = "CUDA_ERROR_OUT_OF_MEMORY"
+    with pytest.raises(RestoreError, match=r"CUDA restore of process 102 failed \(CUDA_ERROR_OUT_OF_MEMORY, state checkpointed\)"):
+        cc.restore_all(api, PIDS)
+
+
+def test_gpu_remapping_only_when_the_gpus_differ():
+    a, b = "GPU-a", "GPU-b"
+    assert cc.gpu_pairs([a], [a, b]) == []
+    assert cc.gpu_pairs([a], [b, a]) == [(a, b)]
+
+
+def host(driver, arch="x86_64"):
+    gpus = (GpuInfo(name="NVIDIA H200", compute_capability="9.0"),) if driver else ()
+    return HostFacts(cpu_arch=arch, cpu_features=(), kernel_release="6.18", gpu=GpuFacts(nvidia_driver=driver, gpus=gpus))
+
+
+def test_driver_version_admission_by_platform():
+    assert "no NVIDIA GPU" in checkpoint_api_problem(host(None))
+    assert "needs >= 595" in checkpoint_api_problem(host("580.95.05", "aarch64"))
+    assert "needs >= 570" in checkpoint_api_problem(host("550.54.14", "x86_64"))
+
+
+def test_captured_pids_must_be_free(tmp_path):
+    import os
+
+    problems = pid_problems((os.getpid(),))
+    assert problems and "captured PID %d is taken by" % os.getpid() in problems[0]
+    assert pid_problems((2**22 + 12345,)) == []

@@ -1,0 +1,220 @@
+"""The whole cycle with the real CPU vLLM engine, real CRIU and real sparkrun.
+
+capture -> restore through `sparkrun run` -> validated -> `sparkrun status`
+shows it -> `sparkrun stop` stops it; then what must be refused with a real
+capsule (damaged blobs, another host's fingerprint, a missing capsule) and
+the vanilla start of a recipe that has no capsule yet.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+
+from conftest import Sparkrun, base_env, require_engine, write_recipe
+from sparkrun_coldsnap.capsule import capsule as capsule_mod
+from sparkrun_coldsnap.capsule import media
+from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor
+
+pytestmark = pytest.mark.engine
+PORT = 8000
+PROMPT = "Reply with one short sentence: what is a cold start?"
+
+
+def recipe_with_store(tmp_path: Path, store: Path, extra: str = "", name: str = "tiny.yaml") -> Path:
+    block = "coldsnap:\n  engine_env: vllm-cpu\n  capsule:\n    name: tiny\n    store: %s\n%s  validation:\n    prompt: %r\n    max_tokens: 16\n" % (store, extra, PROMPT)
+    return write_recipe(tmp_path, coldsnap=block, name=name)
+
+
+def ask() -> str:
+    body = {"model": "coldsnap/tiny-qwen2", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16, "temperature": 0, "seed": 0}
+    r = requests.post("http://127.0.0.1:%d/v1/chat/completions" % PORT, json=body, timeout=60)
+    r.raise_for_status()
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def engine_processes() -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["cmdline", "name"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "vllm.entrypoints.openai.api_server" in cmd or (p.info["name"] or "").startswith("VLLM::"):
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+    return out
+
+
+def wait_gone(timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine_processes():
+        assert time.monotonic() < deadline, "engine processes left: %s" % engine_processes()
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory, template_home):
+    """One real capture for the module: (store, recipe, receipt)."""
+    require_engine()
+    assert not engine_processes(), "an engine is already running; stop it first"
+    tmp = tmp_path_factory.mktemp("captured")
+    home = tmp / "home"
+    shutil.copytree(template_home, home, symlinks=True)
+    sr = Sparkrun(home, base_env(home))
+    store = tmp / "store"
+    recipe = recipe_with_store(tmp, store)
+    receipt_path = tmp / "capture-receipt.json"
+    sr.coldsnap("capture", str(recipe), "-H", "localhost", "--receipt", str(receipt_path))
+    wait_gone()
+    receipt = json.loads(receipt_path.read_text())
+    return store, recipe, receipt
+
+
+def test_capture_wrote_a_verified_capsule_and_receipt(captured, sparkrun):
+    store, recipe, receipt = captured
+    assert receipt["state"] == "succeeded" and receipt["operation"] == "capture"
+    assert receipt["validation"]["passed"] and receipt["validation"]["reply"]
+    assert {p["name"] for p in receipt["phases"]} >= {"launch", "ready", "validate", "checkpoint", "pack", "publish"}
+    listing = sparkrun.json("list", "--store", str(store), "--json")
+    assert [c["ref"] for c in listing["capsules"]] == ["tiny:latest"]
+    assert listing["capsules"][0]["digest"] == receipt["capsule"]
+    doc = sparkrun.json("inspect", "tiny", "--store", str(store), "--json")
+    assert doc["manifest"]["artifactType"] == media.ARTIFACT_TYPE
+    assert doc["config"]["weights"]["location"] == "in-image"
+    assert doc["config"]["validation"]["reply"] == receipt["validation"]["reply"]
+    assert all(l["annotations"][media.A_TITLE] for l in doc["manifest"]["layers"])
+    assert "layers verified" in sparkrun.coldsnap("verify", "tiny", "--store", str(store)).stdout
+
+
+def test_sparkrun_run_restores_status_shows_stop_stops(captured, sparkrun, tmp_path):
+    store, recipe, receipt = captured
+    out = sparkrun("run", str(recipe), "-H", "localhost", "--no-follow")
+    assert "restored tiny:latest" in out.stderr + out.stdout, out.stderr[-2000:]
+    assert ask() == receipt["validation"]["reply"]
+    status = sparkrun("status", "-H", "localhost").stdout
+    assert "Up (pid" in status and "tiny.yaml" in status
+    receipts = sorted((store / "receipts" / "tiny").glob("*-restore.json"))
+    r = json.loads(receipts[-1].read_text())
+    assert r["state"] == "succeeded" and r["validation"]["passed"] and r["validation"]["ttft_seconds"] > 0
+    assert r["capsule"] == receipt["capsule"]
+    sparkrun("stop", str(recipe), "-H", "localhost")
+    wait_gone()
+    # Restoring twice from the same capsule works (sparkrun coldsnap restore insists on the capsule).
+    sparkrun.coldsnap("restore", str(recipe), "-H", "localhost", "--receipt", str(tmp_path / "r2.json"))
+    assert json.loads((tmp_path / "r2.json").read_text())["validation"]["passed"]
+    assert ask() == receipt["validation"]["reply"]
+    sparkrun("stop", str(recipe), "-H", "localhost")
+    wait_gone()
+
+
+def copy_store(store: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "store-copy"
+    shutil.copytree(store, dst)
+    return dst
+
+
+@pytest.mark.parametrize("which", ["manifest", "config", "layer"])
+def test_a_flipped_byte_in_any_blob_is_refused(captured, sparkrun, tmp_path, which):
+    store, _, receipt = captured
+    s = copy_store(store, tmp_path)
+    cs = CapsuleStore(s)
+    cap = capsule_mod.open_capsule(cs, "tiny")
+    target = {"manifest": cap.descriptor, "config": Descriptor.from_json(cap.manifest["config"]), "layer": cap.layers[-1]}[which]
+    path = cs.blob_path(target.digest)
+    path.chmod(0o644)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    cp = sparkrun.coldsnap("verify", "tiny", "--store", str(s), check=False)
+    assert cp.returncode != 0 and "failed verification" in cp.stderr and "Traceback" not in cp.stderr
+    recipe = recipe_with_store(tmp_path, s, extra="  on_missing: fail\n")
+    cp = sparkrun.coldsnap("restore", str(recipe), "-H", "localhost", check=False)
+    assert cp.returncode != 0 and "failed verification" in cp.stderr + cp.stdout
+    assert not engine_processes()
+    assert not list((s / ".staging").glob("*")) and not list(Path("/dev/shm/coldsnap-staging").glob("restore-*"))
+
+
+def test_missing_blob_is_refused(captured, sparkrun, tmp_path):
+    store, _, _ = captured
+    s = copy_store(store, tmp_path)
+    cap = capsule_mod.open_capsule(CapsuleStore(s), "tiny")
+    CapsuleStore(s).blob_path(cap.layers[0].digest).unlink()
+    cp = sparkrun.coldsnap("verify", "tiny", "--store", str(s), check=False)
+    assert cp.returncode != 0 and "missing from the store" in cp.stderr
+
+
+def republish_with(store: Path, **fingerprint) -> None:
+    """The capsule as another host would have captured it: valid digests, other facts."""
+    cs = CapsuleStore(store)
+    cap = capsule_mod.open_capsule(cs, "tiny")
+    cfg = cap.config.model_copy(update={"fingerprint": cap.config.fingerprint.model_copy(update=fingerprint)})
+    config_desc = cs.put_json(cfg.model_dump(mode="json"), media.CONFIG_MEDIA_TYPE)
+    manifest = capsule_mod.build_manifest(config_desc, cap.layers, cfg)
+    cs.tag("tiny:latest", cs.put_json(manifest, media.OCI_MANIFEST, artifact_type=media.ARTIFACT_TYPE))
+
+
+def test_incompatible_fingerprint_names_every_mismatch_and_keeps_the_old_workload(captured, sparkrun, tmp_path):
+    store, recipe, receipt = captured
+    # A workload is running; a refused restore must leave it alone (prepare-before-evict).
+    sparkrun("run", str(recipe), "-H", "localhost", "--no-follow")
+    try:
+        before = {p.pid for p in engine_processes()}
+        other = copy_store(store, tmp_path)
+        republish_with(other, kernel_release="5.15.0-other", criu_version="4.1.1", torch_version="2.0.0")
+        bad = recipe_with_store(tmp_path, other, name="tiny.yaml")  # same recipe name: same sparkrun workload
+        cp = sparkrun("run", str(bad), "-H", "localhost", "--no-follow", check=False)
+        text = cp.stderr + cp.stdout
+        assert cp.returncode != 0
+        for field in ("kernel_release: captured 5.15.0-other", "criu_version: captured 4.1.1", "torch_version: captured 2.0.0"):
+            assert field in text, text[-2000:]
+        assert {p.pid for p in engine_processes()} == before
+        assert ask() == receipt["validation"]["reply"]
+        refused = sorted((other / "receipts" / "tiny").glob("*-restore.json"))
+        assert json.loads(refused[-1].read_text())["state"] == "refused"
+    finally:
+        sparkrun("stop", str(recipe), "-H", "localhost")
+        wait_gone()
+
+
+def test_old_capsule_format_asks_to_recapture(captured, sparkrun, tmp_path):
+    store, _, _ = captured
+    s = copy_store(store, tmp_path)
+    cs = CapsuleStore(s)
+    cap = capsule_mod.open_capsule(cs, "tiny")
+    doc = cap.config.model_dump(mode="json")
+    doc["format"] = 0
+    config_desc = cs.put_json(doc, media.CONFIG_MEDIA_TYPE)
+    manifest = dict(cap.manifest, config=config_desc.to_json())
+    cs.tag("tiny:latest", cs.put_json(manifest, media.OCI_MANIFEST, artifact_type=media.ARTIFACT_TYPE))
+    cp = sparkrun.coldsnap("inspect", "tiny", "--store", str(s), check=False)
+    assert cp.returncode != 0 and "format 0" in cp.stderr and "recapture" in cp.stderr
+
+
+def test_missing_capsule_fails_when_asked_and_starts_vanilla_otherwise(sparkrun, tmp_path):
+    require_engine()
+    empty = tmp_path / "empty-store"
+    strict = recipe_with_store(tmp_path, empty, extra="  on_missing: fail\n", name="strict.yaml")
+    cp = sparkrun("run", str(strict), "-H", "localhost", "--no-follow", check=False)
+    assert cp.returncode != 0 and "run `sparkrun coldsnap capture" in cp.stderr + cp.stdout
+    assert not engine_processes()
+    lenient = recipe_with_store(tmp_path, empty, name="lenient.yaml")
+    out = sparkrun("run", str(lenient), "-H", "localhost", "--no-follow")
+    assert "starting the engine vanilla" in out.stderr + out.stdout
+    try:
+        assert ask()
+        assert "Up (pid" in sparkrun("status", "-H", "localhost").stdout
+    finally:
+        sparkrun("stop", str(lenient), "-H", "localhost")
+        wait_gone()
+
+
+def test_dry_run_changes_nothing(captured, sparkrun):
+    store, recipe, _ = captured
+    out = sparkrun("run", str(recipe), "-H", "localhost", "--dry-run")
+    assert "dry run: would restore capsule tiny:latest" in out.stderr + out.stdout
+    assert not engine_processes()
+    assert not list(Path("/dev/shm/coldsnap-staging").glob("restore-*"))

@@ -1,0 +1,147 @@
+"""The local OCI layout store: layout, verified reads, atomic publication, damage, disk errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from sparkrun_coldsnap.capsule import media
+from sparkrun_coldsnap.capsule.pack import pack_unit, unpack_layer
+from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor
+from sparkrun_coldsnap.errors import IntegrityError, NotFoundError, StoreError
+
+
+def flip_byte(path: Path, offset: int = 0) -> None:
+    os.chmod(path, 0o644)
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_layout_is_an_oci_image_layout(tmp_path):
+    s = CapsuleStore(tmp_path / "s").init()
+    assert json.loads((s.root / "oci-layout").read_text()) == {"imageLayoutVersion": "1.0.0"}
+    index = json.loads((s.root / "index.json").read_text())
+    assert index["schemaVersion"] == 2 and index["mediaType"] == media.OCI_INDEX and index["manifests"] == []
+    d = s.put_bytes(b"hello", "application/octet-stream")
+    assert s.blob_path(d.digest) == s.root / "blobs" / "sha256" / d.digest.split(":")[1]
+    assert s.read_blob(d) == b"hello"
+
+
+def test_tag_resolve_untag_and_gc(tmp_path):
+    s = CapsuleStore(tmp_path / "s").init()
+    cfg = s.put_json({"a": 1}, "application/json")
+    manifest = s.put_json({"schemaVersion": 2, "mediaType": media.OCI_MANIFEST, "config": cfg.to_json(), "layers": []}, media.OCI_MANIFEST)
+    s.tag("cap:v1", manifest)
+    assert s.resolve("cap:v1").descriptor.digest == manifest.digest
+    assert s.resolve(manifest.digest[:15]).ref == "cap:v1"
+    orphan = s.put_bytes(b"orphan", "application/octet-stream")
+    assert s.gc() == (1, len(b"orphan"))
+    assert not s.has_blob(orphan.digest) and s.has_blob(cfg.digest)
+    s.untag("cap:v1")
+    with pytest.raises(NotFoundError, match="cap:v1 is not in the store"):
+        s.resolve("cap:v1")
+    assert s.gc()[0] == 2
+
+
+@pytest.mark.parametrize("offset", [0, 3])
+def test_a_flipped_byte_is_caught_on_read(tmp_path, offset):
+    s = CapsuleStore(tmp_path / "s").init()
+    d = s.put_bytes(b"some blob content", "application/octet-stream")
+    flip_byte(s.blob_path(d.digest), offset)
+    with pytest.raises(IntegrityError, match="failed verification"):
+        s.read_blob(d)
+
+
+def test_missing_blob_and_wrong_digest(tmp_path):
+    s = CapsuleStore(tmp_path / "s").init()
+    d = s.put_bytes(b"x", "application/octet-stream")
+    s.blob_path(d.digest).unlink()
+    with pytest.raises(NotFoundError, match="missing from the store"):
+        s.read_blob(d)
+    wrong = Descriptor("application/octet-stream", "sha256:" + "0" * 64, 1)
+    with pytest.raises(NotFoundError):
+        s.read_blob(wrong)
+    with pytest.raises(StoreError, match="malformed OCI descriptor"):
+        Descriptor.from_json({"mediaType": "x", "digest": "md5:abc", "size": 1})
+
+
+def _images(tmp_path: Path) -> Path:
+    images = tmp_path / "images"
+    (images / "coldsnap-shared").mkdir(parents=True)
+    (images / "core-1.img").write_bytes(b"core" * 100)
+    # Mostly zeros, like an engine's memory: compresses, unpacks sparse.
+    with open(images / "pages-1.img", "wb") as f:
+        f.write(os.urandom(4096))
+        f.seek(8 << 20)
+        f.write(b"tail")
+    (images / "coldsnap-shared" / "000-psm_x").write_bytes(bytes(1 << 20))
+    return images
+
+
+def test_pack_and_unpack_round_trip_sparse(tmp_path):
+    s = CapsuleStore(tmp_path / "s").init()
+    images = _images(tmp_path)
+    layers = pack_unit(images, "solo", tmp_path)
+    assert {l.annotations[media.A_PART] for l in layers} == {"state", "pages"}
+    assert all(l.media_type == media.LAYER_TAR_ZSTD for l in layers)  # zeros: compression pays
+    for l in layers:
+        s.publish_blob_file(l.path, l.digest, l.size)
+    out = tmp_path / "out"
+    for l in layers:
+        unpack_layer(s, l.descriptor(), out)
+    for p in images.rglob("*"):
+        if p.is_file():
+            q = out / "solo" / p.relative_to(images)
+            assert q.read_bytes() == p.read_bytes()
+    pages = out / "solo" / "pages-1.img"
+    assert pages.stat().st_blocks * 512 < pages.stat().st_size // 4  # holes kept
+
+
+def test_incompressible_layers_stay_plain_tar(tmp_path):
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "pages-1.img").write_bytes(os.urandom(2 << 20))
+    layers = pack_unit(images, "solo", tmp_path)
+    assert [l.media_type for l in layers] == [media.LAYER_TAR]
+
+
+def test_damaged_layer_refused_while_unpacking(tmp_path):
+    s = CapsuleStore(tmp_path / "s").init()
+    layers = pack_unit(_images(tmp_path), "solo", tmp_path)
+    for l in layers:
+        s.publish_blob_file(l.path, l.digest, l.size)
+    pages = next(l for l in layers if l.annotations[media.A_PART] == "pages")
+    flip_byte(s.blob_path(pages.digest), pages.size // 2)
+    with pytest.raises(IntegrityError):
+        unpack_layer(s, pages.descriptor(), tmp_path / "out")
+
+
+def test_read_only_store_gives_one_line_error(tmp_path):
+    root = tmp_path / "ro"
+    root.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(root)], check=True)
+    try:
+        with pytest.raises(StoreError) as e:
+            CapsuleStore(root).init()
+        assert "cannot write" in str(e.value) and "writable store" in str(e.value) and "\n" not in str(e.value)
+    finally:
+        subprocess.run(["umount", str(root)], check=True)
+
+
+def test_full_disk_gives_one_line_error_and_leaves_nothing(tmp_path):
+    root = tmp_path / "full"
+    root.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(root)], check=True)
+    try:
+        s = CapsuleStore(root).init()
+        with pytest.raises(StoreError, match="no space left"):
+            s.put_bytes(os.urandom(1 << 20), "application/octet-stream")
+        leftovers = [p for p in root.rglob("*") if p.is_file() and p.name not in ("oci-layout", "index.json")]
+        assert leftovers == []
+    finally:
+        subprocess.run(["umount", str(root)], check=True)
