@@ -10,17 +10,22 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 find_python() {
+  # A pyenv shim exists for every installed version but runs only the selected
+  # one, so each candidate must actually start.
+  local v p
   for v in 3.13 3.12; do
-    command -v "python$v" >/dev/null 2>&1 && { command -v "python$v"; return; }
-    for p in "$HOME"/.pyenv/versions/$v.*/bin/python$v; do [ -x "$p" ] && { echo "$p"; return; }; done
+    for p in "$(command -v "python$v" 2>/dev/null)" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/$v.*/bin/python$v; do
+      [ -n "$p" ] && [ -x "$p" ] && "$p" -c "import sys" >/dev/null 2>&1 && { echo "$p"; return; }
+    done
   done
   echo "no Python >= 3.12 found (sparkrun 0.4.2 needs it): install python3.12" >&2
   exit 1
 }
 
 if [ ! -x .venv/bin/python ]; then
-  echo "==> creating .venv with $(find_python)"
-  "$(find_python)" -m venv .venv
+  PY=$(find_python)
+  echo "==> creating .venv with $PY"
+  "$PY" -m venv .venv
 fi
 echo "==> installing sparkrun-coldsnap and its dependencies into .venv"
 .venv/bin/pip install --quiet --disable-pip-version-check '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
@@ -36,6 +41,6 @@ rev=$(sed -n 's/^model_revision: *//p' recipes/tiny-vllm-cpu.yaml)
 snap="${HF_HOME:-$HOME/.cache/huggingface}/hub/models--coldsnap--tiny-qwen2/snapshots/$rev"
 if [ ! -d "$snap" ]; then
   echo "the tiny model made here does not have the revision recipes/tiny-vllm-cpu.yaml pins ($rev):" >&2
-  echo "its engine environment differs from the pinned one; reinstall it with: rm -rf ~/.local/share/sparkrun-coldsnap/engines/vllm-cpu && bash scripts/setup.sh" >&2
+  echo "its engine environment differs from the pinned one; reinstall it with: rm -rf \"\${COLDSNAP_HOME:-\$HOME/.local/share/sparkrun-coldsnap}/engines/vllm-cpu\" && bash scripts/setup.sh" >&2
   exit 1
 fi

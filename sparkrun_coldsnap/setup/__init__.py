@@ -1,1 +1,1 @@
-"""setup."""
+"""Set-up of the embedded default: CRIU, engine environments, the tiny model."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -43,17 +44,25 @@ TINY_MODEL_ID = "coldsnap/tiny-qwen2"
 TINY_MODEL_SEED = 0
 
 
+def _runs(exe: str) -> bool:
+    try:
+        return subprocess.run([exe, "-c", "import sys"], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
 def find_python(version: str) -> str:
-    """An interpreter of *version*: on PATH, or under pyenv."""
-    for candidate in ("python%s" % version,):
-        found = shutil.which(candidate)
-        if found:
-            return found
-    for root in (Path.home() / ".pyenv" / "versions", Path("/root/.pyenv/versions")):
-        for p in sorted(root.glob("%s.*" % version), reverse=True):
-            exe = p / "bin" / ("python%s" % version)
-            if exe.exists():
-                return str(exe)
+    """An interpreter of *version* that starts: on PATH, or under pyenv.
+
+    A pyenv shim exists for every installed version but runs only the
+    selected one, so every candidate is tried, not just found.
+    """
+    candidates = [shutil.which("python%s" % version)]
+    pyenv_root = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv")
+    candidates += [str(p / "bin" / ("python%s" % version)) for p in sorted((pyenv_root / "versions").glob("%s.*" % version), reverse=True)]
+    for exe in candidates:
+        if exe and os.path.exists(exe) and _runs(exe):
+            return exe
     raise ToolError("no Python %s found (the engine's wheels need it): install python%s or pass --engine-python" % (version, version))
 
 
