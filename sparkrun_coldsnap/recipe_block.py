@@ -37,7 +37,10 @@ class CapsuleSettings(Strict):
     name: str | None = Field(None, description="Capsule name in the store; defaults to the recipe's name.")
     tag: str = Field("latest", description="Tag of the capsule to capture into and restore from.")
     store: str | None = Field(None, description="Local capsule store (an OCI image layout directory).")
-    repository: str | None = Field(None, description="OCI repository to pull the capsule from when it is missing locally.")
+    repository: str | None = Field(None, description="OCI repository (REGISTRY/REPO[:TAG]) to pull the capsule from when it is missing locally.")
+    plain_http: bool = Field(False, description="Talk to the registry over plain HTTP (a registry on loopback, say).")
+    ca_file: str | None = Field(None, description="CA certificate bundle to verify the registry's TLS certificate with.")
+    pull_weights: bool = Field(True, description="Fetch the model files from the capsule's weights artifact when they are missing here.")
 
     @field_validator("name")
     @classmethod

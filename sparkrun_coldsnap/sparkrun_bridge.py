@@ -316,15 +316,25 @@ class Strategy:
             store = store_for(context)
             if opts.dry_run:
                 return DryRun(describe_plan(req, store))
+            block = block_of(context.execution.plan.recipe)
             try:
                 store.resolve(req.capsule.ref)
             except NotFoundError:
-                if req.on_missing == "fail":
+                if block.capsule.repository:
+                    try:
+                        pull_capsule(block, req, store)
+                    except NotFoundError as err:
+                        if req.on_missing == "fail":
+                            raise
+                        return Vanilla(req, "no capsule %s here nor in %s (%s)" % (req.capsule.ref, block.capsule.repository, err))
+                    req = restore_request(context)  # the model directory may exist now
+                elif req.on_missing == "fail":
                     raise NotFoundError(
                         "capsule %s is not in %s and the recipe sets on_missing: fail: run `sparkrun coldsnap capture %s` first"
                         % (req.capsule.ref, store.root, _source(context.execution.plan.recipe))
                     ) from None
-                return Vanilla(req, "no capsule %s in %s yet" % (req.capsule.ref, store.root))
+                else:
+                    return Vanilla(req, "no capsule %s in %s yet" % (req.capsule.ref, store.root))
             progress = Progress()
             prepared = controller.prepare_restore(req, store=store, progress=progress)
             _say("capsule %s admitted and staged in %.1f s (before the old workload is stopped)" % (req.capsule.ref, prepared.prepare_seconds))
@@ -365,6 +375,26 @@ class Strategy:
         except ColdsnapError as err:
             _write_failure_receipt(context, err)
             raise RuntimeError(str(err)) from None
+
+
+def pull_capsule(block: ColdsnapBlock, req: RestoreRequest, store: CapsuleStore) -> None:
+    """Bring a missing capsule (and, if missing too, its weights) from the recipe's repository, before eviction."""
+    from sparkrun_coldsnap.capsule import transfer
+    from sparkrun_coldsnap.capsule.registry import RegistryClient, Transport
+    from sparkrun_coldsnap.capsule.reference import parse
+
+    transport = Transport(plain_http=block.capsule.plain_http, ca_file=block.capsule.ca_file)
+    ref = parse(block.capsule.repository or "", default_tag=None)
+    ref = ref if (ref.tag or ref.digest) else ref.with_tag(req.capsule.tag)
+    progress = Progress()
+    client = RegistryClient(ref, transport)
+    cap = transfer.pull(client, ref, store, local_ref=req.capsule.ref, progress=progress).capsule
+    _say("pulled %s from %s" % (req.capsule.ref, ref))
+    model_dir = req.workload.model.path or hf_snapshot_dir(str(paths.hf_home()), cap.config.weights.model_id, cap.config.weights.revision)
+    if cap.config.weights.location == "external" and block.capsule.pull_weights and transfer.weights_subject(cap):
+        fetched = transfer.pull_weights(client, cap, Path(model_dir), progress=progress)
+        if fetched:
+            _say("fetched %d model file(s) from the capsule's weights artifact" % fetched)
 
 
 def describe_plan(req: RestoreRequest, store: CapsuleStore) -> str:

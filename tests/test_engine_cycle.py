@@ -18,6 +18,7 @@ import pytest
 import requests
 
 from conftest import Sparkrun, base_env, require_engine, write_recipe
+from registry_fixtures import Registry
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
 from sparkrun_coldsnap.capsule import media
 from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor
@@ -27,8 +28,8 @@ PORT = 8000
 PROMPT = "Reply with one short sentence: what is a cold start?"
 
 
-def recipe_with_store(tmp_path: Path, store: Path, extra: str = "", name: str = "tiny.yaml") -> Path:
-    block = "coldsnap:\n  engine_env: vllm-cpu\n  capsule:\n    name: tiny\n    store: %s\n%s  validation:\n    prompt: %r\n    max_tokens: 16\n" % (store, extra, PROMPT)
+def recipe_with_store(tmp_path: Path, store: Path, extra: str = "", name: str = "tiny.yaml", capsule_extra: str = "") -> Path:
+    block = "coldsnap:\n  engine_env: vllm-cpu\n  capsule:\n    name: tiny\n    store: %s\n%s%s  validation:\n    prompt: %r\n    max_tokens: 16\n" % (store, capsule_extra, extra, PROMPT)
     return write_recipe(tmp_path, coldsnap=block, name=name)
 
 
@@ -218,3 +219,22 @@ def test_dry_run_changes_nothing(captured, sparkrun):
     assert "dry run: would restore capsule tiny:latest" in out.stderr + out.stdout
     assert not engine_processes()
     assert not list(Path("/dev/shm/coldsnap-staging").glob("restore-*"))
+
+
+def test_sparkrun_run_pulls_a_published_capsule_before_restoring(captured, sparkrun, tmp_path):
+    store, _, receipt = captured
+    registry = Registry(tmp_path / "registry").start()
+    try:
+        target = "%s/capsules/tiny" % registry.host
+        sparkrun.coldsnap("publish", "tiny", target + ":latest", "--store", str(store), "--plain-http")
+        empty = tmp_path / "fresh-store"
+        recipe = recipe_with_store(tmp_path, empty, extra="  on_missing: fail\n", capsule_extra="    repository: %s\n    plain_http: true\n" % target)
+        out = sparkrun("run", str(recipe), "-H", "localhost", "--no-follow")
+        text = out.stderr + out.stdout
+        assert "pulled tiny:latest from %s:latest" % target in text and "restored tiny:latest" in text
+        assert ask() == receipt["validation"]["reply"]
+        assert CapsuleStore(empty).resolve("tiny:latest").descriptor.digest == receipt["capsule"]
+        sparkrun("stop", str(recipe), "-H", "localhost")
+        wait_gone()
+    finally:
+        registry.stop()

@@ -48,9 +48,9 @@ def coldsnap_group(debug: bool) -> None:
 
 
 def _register_verbs() -> None:
-    from sparkrun_coldsnap.cli import bench, capabilities, capture, doctor, restore, setup, store_verbs
+    from sparkrun_coldsnap.cli import bench, capabilities, capture, doctor, registry_verbs, restore, setup, store_verbs
 
-    for module in (capture, restore, store_verbs, capabilities, doctor, bench, setup):
+    for module in (capture, restore, store_verbs, registry_verbs, capabilities, doctor, bench, setup):
         for cmd in module.COMMANDS:
             coldsnap_group.add_command(cmd)
 

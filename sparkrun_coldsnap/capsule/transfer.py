@@ -1,0 +1,227 @@
+"""Publish capsules to an OCI registry, pull them back; weights as their own artifact.
+
+Push order follows the distribution spec: blobs, then the manifest by digest,
+then the tag (a registry rejects a manifest whose blobs it lacks). A pull
+downloads into the store's private staging area, verifies every blob, and
+only then moves it into ``blobs/`` and writes the tag: an interrupted pull
+leaves nothing in the layout, and the next one resumes where it stopped.
+
+Model weights never travel inside a capsule. ``publish --with-weights`` pushes
+the model files as a content-addressed weights artifact (one layer per file,
+no timestamps: the same files give the same digest) and publishes the capsule
+manifest with that artifact as its ``subject``; the capsule is then listed
+among the weights artifact's referrers (the registry's referrers API, or the
+``sha256-<digest>`` tag schema where it has none).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sparkrun_coldsnap import weights as weights_mod
+from sparkrun_coldsnap.capsule import media
+from sparkrun_coldsnap.capsule.capsule import Capsule, open_capsule, parse_config, parse_manifest
+from sparkrun_coldsnap.capsule.config import WeightsRecord
+from sparkrun_coldsnap.capsule.reference import Reference
+from sparkrun_coldsnap.capsule.registry import DEFAULT_CHUNK, RegistryClient
+from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor, split_ref
+from sparkrun_coldsnap.digests import canonical_json, sha256_bytes, short
+from sparkrun_coldsnap.errors import IntegrityError, RequestError, StoreError
+from sparkrun_coldsnap.progress import QUIET, Progress
+
+A_WEIGHTS_ARTIFACT = media.PREFIX + ".weights-artifact"
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    reference: str
+    digest: str
+    blobs_pushed: int
+    blobs_present: int
+    weights: str | None = None
+
+
+def weights_tag(revision: str) -> str:
+    return "weights-" + revision[:40]
+
+
+def weights_artifact(record: WeightsRecord) -> tuple[dict[str, Any], bytes]:
+    """The weights artifact's manifest and config: deterministic, so identical files give one digest."""
+    config = canonical_json({"model_id": record.model_id, "revision": record.revision, "files": [f.model_dump() for f in record.files]})
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": media.OCI_MANIFEST,
+        "artifactType": media.WEIGHTS_ARTIFACT_TYPE,
+        "config": {"mediaType": media.WEIGHTS_CONFIG_MEDIA_TYPE, "digest": sha256_bytes(config), "size": len(config)},
+        "layers": [
+            {"mediaType": media.WEIGHTS_FILE_MEDIA_TYPE, "digest": f.sha256, "size": f.size, "annotations": {media.A_TITLE: f.name}} for f in record.files
+        ],
+        "annotations": {media.A_MODEL: "%s@%s" % (record.model_id, record.revision)},
+    }
+    return manifest, config
+
+
+def _push_bytes(client: RegistryClient, data: bytes, staging: Path, tick) -> bool:
+    staging.mkdir(parents=True, exist_ok=True)
+    path = staging / ("bytes-%s" % sha256_bytes(data).split(":")[1])
+    path.write_bytes(data)
+    try:
+        return client.push_blob(path, sha256_bytes(data), len(data), state_dir=staging, tick=tick)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def push_weights(client: RegistryClient, record: WeightsRecord, model_dir: Path, *, staging: Path, chunk: int, progress: Progress) -> Descriptor:
+    problems = weights_mod.verify(model_dir, record.files)
+    if problems:
+        raise IntegrityError("cannot publish the weights: %s" % "; ".join(problems))
+    manifest, config = weights_artifact(record)
+    total = sum(f.size for f in record.files) + len(config)
+    with progress.transfer("pushing weights %s@%s" % (record.model_id, record.revision[:12]), total) as tick:
+        for f in record.files:
+            client.push_blob(model_dir / f.name, f.sha256, f.size, state_dir=staging, chunk=chunk, tick=tick)
+        _push_bytes(client, config, staging, tick)
+    data = canonical_json(manifest)
+    digest = client.put_manifest(data, media.OCI_MANIFEST, sha256_bytes(data))
+    client.put_manifest(data, media.OCI_MANIFEST, weights_tag(record.revision))
+    return Descriptor(media.OCI_MANIFEST, digest, len(data), artifact_type=media.WEIGHTS_ARTIFACT_TYPE)
+
+
+def publish(
+    store: CapsuleStore, capsule_ref: str, target: Reference, client: RegistryClient, *, model_dir: Path | None = None, chunk: int = DEFAULT_CHUNK,
+    progress: Progress = QUIET,
+) -> PublishResult:  # fmt: skip
+    """Push a local capsule (and, given *model_dir*, its weights as a subject artifact) to *target*."""
+    cap = open_capsule(store, capsule_ref)
+    staging = store.staging / "uploads"
+    blobs = [Descriptor.from_json(cap.manifest["config"]), *cap.layers]
+    pushed = present = 0
+    with progress.transfer("pushing %s to %s" % (capsule_ref, target), sum(d.size for d in blobs)) as tick:
+        for d in blobs:
+            if client.push_blob(store.blob_path(d.digest), d.digest, d.size, state_dir=staging, chunk=chunk, tick=tick):
+                pushed += 1
+            else:
+                present += 1
+    manifest_bytes = store.read_blob(cap.descriptor)
+    weights_digest = None
+    if model_dir is not None:
+        subject = push_weights(client, cap.config.weights, model_dir, staging=staging, chunk=chunk, progress=progress)
+        weights_digest = subject.digest
+        doc = dict(cap.manifest)
+        doc["subject"] = {"mediaType": subject.media_type, "digest": subject.digest, "size": subject.size}
+        doc["annotations"] = {**doc.get("annotations", {}), A_WEIGHTS_ARTIFACT: subject.digest}
+        manifest_bytes = canonical_json(doc)
+        store.put_bytes(manifest_bytes, media.OCI_MANIFEST)  # keep the published form locally too
+    digest = client.put_manifest(manifest_bytes, media.OCI_MANIFEST, sha256_bytes(manifest_bytes))
+    tag = target.tag or cap.config.tag
+    client.put_manifest(manifest_bytes, media.OCI_MANIFEST, tag)
+    if weights_digest:
+        annotations = {k: v for k, v in json.loads(manifest_bytes).get("annotations", {}).items() if k.startswith(("org.opencontainers", media.PREFIX))}
+        client.add_referrer(weights_digest, {"mediaType": media.OCI_MANIFEST, "digest": digest, "size": len(manifest_bytes), "artifactType": media.ARTIFACT_TYPE, "annotations": annotations})
+    return PublishResult(str(target.with_tag(tag)), digest, pushed, present, weights_digest)
+
+
+def _fetch(client: RegistryClient, store: CapsuleStore, d: Descriptor, tick) -> bool:
+    """Bring blob *d* into the store unless it is already there; False if it was."""
+    if store.has_blob(d.digest, d.size):
+        if tick:
+            tick(d.size)
+        return False
+    partial = store.staging / "downloads" / (d.digest.split(":")[1] + ".partial")
+    client.fetch_blob(d.digest, d.size, partial, tick=tick)
+    store.publish_blob_file(partial, d.digest, d.size)
+    return True
+
+
+@dataclass(frozen=True)
+class PullResult:
+    capsule: Capsule
+    blobs_fetched: int
+    blobs_present: int
+
+
+def pull(client: RegistryClient, ref: Reference, store: CapsuleStore, *, local_ref: str | None = None, progress: Progress = QUIET) -> PullResult:
+    """Pull the capsule at *ref* into *store*; tag it *local_ref* (default: its name:tag)."""
+    data, media_type, digest = client.get_manifest(ref.reference)
+    if media_type and media_type not in (media.OCI_MANIFEST,):
+        raise StoreError("%s is a %s, not a coldsnap capsule manifest (%s)" % (ref, media_type, media.OCI_MANIFEST))
+    try:
+        doc = json.loads(data)
+    except ValueError as err:
+        raise IntegrityError("%s: the registry sent a manifest that is not JSON" % ref) from err
+    desc = Descriptor(media.OCI_MANIFEST, digest, len(data), artifact_type=media.ARTIFACT_TYPE)
+    parse_manifest(desc, doc)
+    store.init()
+    config_desc = Descriptor.from_json(doc["config"])
+    layers = [Descriptor.from_json(d) for d in doc.get("layers") or []]
+    fetched = 0
+    with progress.transfer("pulling %s" % ref, sum(d.size for d in [config_desc, *layers])) as tick:
+        fetched += _fetch(client, store, config_desc, tick)
+        config = parse_config(digest, store.read_json(config_desc))
+        for d in layers:
+            fetched += _fetch(client, store, d, tick)
+    store.put_bytes(data, media.OCI_MANIFEST)
+    name, tag = split_ref(local_ref) if local_ref else (config.name, ref.tag or config.tag)
+    # The tag is written last: until then the pulled blobs are unreferenced and invisible.
+    store.tag("%s:%s" % (name, tag), Descriptor(media.OCI_MANIFEST, digest, len(data), artifact_type=media.ARTIFACT_TYPE))
+    return PullResult(open_capsule(store, "%s:%s" % (name, tag)), fetched, len(layers) + 1 - fetched)
+
+
+def weights_subject(cap: Capsule) -> str | None:
+    subject = cap.manifest.get("subject") or {}
+    return subject.get("digest")
+
+
+def pull_weights(client: RegistryClient, cap: Capsule, model_dir: Path, *, progress: Progress = QUIET) -> int:
+    """Fetch the capsule's weights artifact into *model_dir*, file by file, skipping files already right."""
+    digest = weights_subject(cap)
+    if not digest:
+        raise RequestError("capsule %s was published without its weights: publish it with --with-weights, or download revision %s" % (short(cap.digest), cap.config.weights.revision))
+    data, _, _ = client.get_manifest(digest)
+    doc = json.loads(data)
+    if doc.get("artifactType") != media.WEIGHTS_ARTIFACT_TYPE:
+        raise StoreError("the subject of capsule %s is a %s, not a weights artifact" % (short(cap.digest), doc.get("artifactType")))
+    wanted = {f.name: f for f in cap.config.weights.files}
+    model_dir.mkdir(parents=True, exist_ok=True)
+    missing = [f for f in wanted.values() if weights_mod.verify(model_dir, (f,))]
+    fetched = 0
+    with progress.transfer("pulling weights %s" % cap.config.weights.model_id, sum(f.size for f in missing)) as tick:
+        for f in missing:
+            target = model_dir / f.name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_name(target.name + ".partial")
+            client.fetch_blob(f.sha256, f.size, partial, tick=tick)
+            if target.is_symlink() or target.exists():
+                target.unlink()
+            os.replace(partial, target)
+            fetched += 1
+    return fetched
+
+
+def remote_capsules(client: RegistryClient) -> list[dict[str, Any]]:
+    """Capsules in the client's repository: by tag, and as referrers of its weights artifacts."""
+    out: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for tag in client.tags():
+        if tag.startswith("sha256-"):
+            continue
+        try:
+            data, _, digest = client.get_manifest(tag)
+        except Exception:  # noqa: BLE001 - a broken tag is listed as such
+            out.append({"tag": tag, "error": "unreadable manifest"})
+            continue
+        doc = json.loads(data)
+        kind = doc.get("artifactType")
+        if kind == media.ARTIFACT_TYPE and digest not in seen:
+            seen.add(digest)
+            out.append({"tag": tag, "digest": digest, "found_by": "tag", "annotations": doc.get("annotations") or {}})
+        elif kind == media.WEIGHTS_ARTIFACT_TYPE:
+            for d in client.referrers(digest, media.ARTIFACT_TYPE):
+                if d["digest"] not in seen:
+                    seen.add(d["digest"])
+                    out.append({"tag": None, "digest": d["digest"], "found_by": "referrer of %s" % tag, "annotations": d.get("annotations") or {}})
+    return out

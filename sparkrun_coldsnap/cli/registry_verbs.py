@@ -1,0 +1,113 @@
+"""``publish`` and ``pull``: capsules to and from an OCI registry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from sparkrun_coldsnap.cli.common import emit_json, open_store, store_option
+from sparkrun_coldsnap.digests import short
+
+
+def transport_options(f):
+    f = click.option("--chunk-size", type=click.IntRange(1 << 16, 1 << 30), default=16 << 20, show_default=True, help="Upload chunk size in bytes (an interrupted upload resumes from its last whole chunk).")(f)
+    f = click.option("--ca-file", type=click.Path(exists=True, dir_okay=False), default=None, help="CA certificate bundle for the registry's TLS certificate.")(f)
+    f = click.option("--plain-http", is_flag=True, help="Use plain HTTP (a registry on loopback, say).")(f)
+    return f
+
+
+def client_for(ref, plain_http: bool, ca_file: str | None):
+    from sparkrun_coldsnap.capsule.registry import RegistryClient, Transport
+
+    return RegistryClient(ref, Transport(plain_http=plain_http, ca_file=ca_file))
+
+
+def model_dir_of(cap) -> Path:
+    from sparkrun_coldsnap import paths
+
+    w = cap.config.weights
+    return paths.hf_home() / "hub" / ("models--" + w.model_id.replace("/", "--")) / "snapshots" / w.revision
+
+
+@click.command("publish")
+@click.argument("capsule")
+@click.argument("repository")
+@store_option
+@transport_options
+@click.option("--with-weights", is_flag=True, help="Also push the model files as a weights artifact, linked as the capsule's subject.")
+@click.option("--json", "as_json", is_flag=True)
+def publish(capsule, repository, store, plain_http, ca_file, chunk_size, with_weights, as_json):
+    """Push CAPSULE (name[:tag] or digest) from the local store to REPOSITORY[:TAG] of an OCI registry.
+
+    Credentials come from the usual Docker/OCI credential files (docker login)
+    or ORAS_USER/ORAS_PASS, never from recipes.
+    """
+    from sparkrun_coldsnap.capsule import capsule as capsule_mod
+    from sparkrun_coldsnap.capsule.reference import parse
+    from sparkrun_coldsnap.capsule.transfer import publish as do_publish
+    from sparkrun_coldsnap.progress import Progress
+
+    s = open_store(store)
+    ref = parse(repository, default_tag=None)
+    cap = capsule_mod.open_capsule(s, capsule)
+    model_dir = model_dir_of(cap) if with_weights else None
+    result = do_publish(s, capsule, ref, client_for(ref, plain_http, ca_file), model_dir=model_dir, chunk=chunk_size, progress=Progress(quiet=as_json))
+    if as_json:
+        emit_json(result.__dict__)
+        return
+    click.echo("published %s as %s (%s); %d blobs pushed, %d already there" % (capsule, result.reference, short(result.digest), result.blobs_pushed, result.blobs_present))
+    if result.weights:
+        click.echo("  weights artifact %s is its subject" % short(result.weights))
+
+
+@click.command("pull")
+@click.argument("reference")
+@store_option
+@transport_options
+@click.option("--as", "local_ref", default=None, help="Local name[:tag] (default: the capsule's own name and the reference's tag).")
+@click.option("--with-weights", is_flag=True, help="Also fetch the model files from the capsule's weights artifact.")
+@click.option("--json", "as_json", is_flag=True)
+def pull(reference, store, plain_http, ca_file, chunk_size, local_ref, with_weights, as_json):
+    """Pull a capsule from an OCI registry into the local store (REGISTRY/REPO[:TAG|@DIGEST])."""
+    from sparkrun_coldsnap.capsule.reference import parse
+    from sparkrun_coldsnap.capsule.transfer import pull as do_pull, pull_weights
+    from sparkrun_coldsnap.progress import Progress
+
+    s = open_store(store)
+    ref = parse(reference)
+    client = client_for(ref, plain_http, ca_file)
+    progress = Progress(quiet=as_json)
+    result = do_pull(client, ref, s, local_ref=local_ref, progress=progress)
+    cap = result.capsule
+    fetched = pull_weights(client, cap, model_dir_of(cap), progress=progress) if with_weights else 0
+    if as_json:
+        emit_json({"ref": cap.ref, "digest": cap.digest, "store": str(s.root), "blobs_fetched": result.blobs_fetched, "blobs_present": result.blobs_present, "weight_files_fetched": fetched})
+        return
+    click.echo("pulled %s -> %s (%s) in %s; %d blobs fetched, %d already here" % (reference, cap.ref, short(cap.digest), s.root, result.blobs_fetched, result.blobs_present))
+    if with_weights:
+        click.echo("  %d model file(s) fetched into %s" % (fetched, model_dir_of(cap)))
+
+
+@click.command("remote")
+@click.argument("repository")
+@transport_options
+@click.option("--json", "as_json", is_flag=True)
+def remote(repository, plain_http, ca_file, chunk_size, as_json):
+    """List the capsules in a registry repository: by tag, and as referrers of its weights artifacts."""
+    from sparkrun_coldsnap.capsule.reference import parse
+    from sparkrun_coldsnap.capsule.transfer import remote_capsules
+
+    ref = parse(repository, default_tag=None)
+    rows = remote_capsules(client_for(ref, plain_http, ca_file))
+    if as_json:
+        emit_json({"repository": "%s/%s" % (ref.registry, ref.repository), "capsules": rows})
+        return
+    if not rows:
+        click.echo("no capsules in %s/%s" % (ref.registry, ref.repository))
+    for r in rows:
+        a = r.get("annotations", {})
+        click.echo("%-24s %-20s %-30s %s" % (r.get("tag") or "-", short(r.get("digest", "")), a.get("dev.sparkrun.coldsnap.model", ""), r.get("found_by", r.get("error", ""))))
+
+
+COMMANDS = [publish, pull, remote]
