@@ -11,4 +11,6 @@ if ! command -v docker-registry >/dev/null 2>&1 || ! command -v openssl >/dev/nu
   apt-get install -y -q docker-registry openssl >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q docker-registry openssl >/dev/null; }
 fi
 export SPARKRUN_NO_TELEMETRY=1 HF_HUB_OFFLINE=1
+# Docker for the container tests: dockerd (experimental, CRIU for runc) and the CPU engine's image.
+.venv/bin/sparkrun-coldsnap setup --docker
 exec .venv/bin/pytest -q "$@"

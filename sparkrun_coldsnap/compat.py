@@ -63,6 +63,7 @@ class Fingerprint(Strict):
     python_version: str | None
     torch_version: str | None
     image_digest: str | None
+    container_runtime: str | None = Field(None, description="Container runtime, its version and the settings a checkpoint depends on.")
     engine_env_digest: str | None
     model_revision: str
     topology: TopologyFacts
@@ -145,6 +146,7 @@ CHECKS: tuple[Callable[[Fingerprint, Fingerprint], list[Mismatch]], ...] = (
     _same("python_version"),
     _same("torch_version"),
     _same("image_digest"),
+    _same("container_runtime"),
     _same("engine_env_digest"),
     _same("model_revision"),
     _same("topology"),

@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-import psutil
-
 from sparkrun_coldsnap import plugins, weights
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
 from sparkrun_coldsnap.capsule import media
@@ -34,7 +32,9 @@ from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, CompatibilityE
 from sparkrun_coldsnap.hostinfo import host_facts
 from sparkrun_coldsnap.launch.engine_env import EngineEnv, EngineFacts
 from sparkrun_coldsnap.launch.iouring import io_uring_disabled
-from sparkrun_coldsnap.launch.local import StartedUnit, kill_tree, start_unit
+from sparkrun_coldsnap.launch import docker as docker_unit
+from sparkrun_coldsnap.launch.docker import ContainerSpec
+from sparkrun_coldsnap.launch.local import StartedUnit, start_unit
 from sparkrun_coldsnap.launch.ports import port_holder
 from sparkrun_coldsnap.progress import QUIET, Progress
 from sparkrun_coldsnap.receipts import Receipt, ReceiptBuilder, Validation, Weights
@@ -49,6 +49,7 @@ _PLACE_ONLY = {
     ("launch", "env", "HF_HOME"),
     ("launch", "env", "HF_HUB_CACHE"),
     ("launch", "env", "XDG_CACHE_HOME"),
+    ("launch", "volumes"),
 }
 
 
@@ -88,6 +89,7 @@ def fingerprint(workload: Workload, r: Resolved, criu_version: str | None) -> Fi
         python_version=r.facts.python_version if r.facts else None,
         torch_version=r.facts.torch_version if r.facts else None,
         image_digest=workload.launch.image.split("@", 1)[1] if workload.launch.image else None,
+        container_runtime=docker_unit.runtime_summary() if workload.launch.executor == "docker" else None,
         engine_env_digest=r.facts.digest if r.facts else None,
         model_revision=workload.model.revision,
         topology=TopologyFacts(hosts=len(t.hosts), units=len(t.units), tensor_parallel=t.tensor_parallel, pipeline_parallel=t.pipeline_parallel),
@@ -95,19 +97,31 @@ def fingerprint(workload: Workload, r: Resolved, criu_version: str | None) -> Fi
 
 
 def launch_env(workload: Workload, r: Resolved, base_env: Mapping[str, str]) -> dict[str, str]:
+    """The engine's environment: a container gets only the workload's; a host process inherits ours too."""
+    if workload.launch.executor == "docker":
+        return dict(workload.launch.env)
     env = {**base_env, **workload.launch.env}
     return r.engine_env.apply(env) if r.engine_env else env
 
 
-def _log_tail(path: Path, n: int = 1) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(f.tell() - 4096, 0))
-            lines = [l for l in f.read().decode(errors="replace").splitlines() if l.strip()]
-    except OSError:
-        return ""
-    return " | ".join(lines[-n:])
+def container_spec(workload: Workload, command: str, env: Mapping[str, str], labels: Mapping[str, str] | None = None) -> ContainerSpec:
+    if not workload.launch.image:
+        raise CaptureError("the recipe runs in a container but names no image pinned by digest: set container:")
+    return ContainerSpec(
+        image=workload.launch.image.split("@", 1)[1],
+        command=command,
+        env=dict(env),
+        volumes=dict(workload.launch.volumes),
+        shm_size=workload.launch.shm_size or "32g",
+        labels=dict(labels or {}),
+    )
+
+
+def launch_unit(workload: Workload, command: str, env: Mapping[str, str], log_path: Path, *, pid_namespace: bool, name: str, labels: Mapping[str, str] | None = None):
+    """Start the engine as host processes or in a container, as the workload's executor says."""
+    if workload.launch.executor == "docker":
+        return docker_unit.start_container(container_spec(workload, command, env, labels), name)
+    return start_unit(command, env=env, log_path=log_path, pid_namespace=pid_namespace)
 
 
 def _validate(r: Resolved, endpoint: Endpoint, req: CaptureRequest | RestoreRequest, t0: float, expected: str | None) -> Validation:
@@ -118,11 +132,11 @@ def _validate(r: Resolved, endpoint: Endpoint, req: CaptureRequest | RestoreRequ
     return Validation(passed=passed, ttft_seconds=ttft, request_ttft_seconds=reply.request_ttft, reply=reply.text, expected_reply=expected)
 
 
-def _stop_quietly(unit_pid: int | None, first: BaseException) -> None:
-    if unit_pid is None:
+def _stop_quietly(unit, first: BaseException) -> None:
+    if unit is None:
         return
     try:
-        kill_tree(unit_pid, grace=5.0)
+        unit.stop(grace=5.0)
     except Exception as cleanup:  # noqa: BLE001 - reported beside the first error
         first.args = (describe_cleanup_failure(first, cleanup),)
 
@@ -148,7 +162,7 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, base_env: Mapping[str, 
     rb = ReceiptBuilder("capture", request_sha256=req.digest())
     rb.capsule_ref = req.capsule.ref
     w = req.workload
-    root_pid: int | None = None
+    running = None
     try:
         with rb.phase("admission"):
             r = resolve(w)
@@ -160,6 +174,8 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, base_env: Mapping[str, 
                 raise CaptureError("port %d is in use by %s: stop that workload (sparkrun stop) or capture on another port" % (w.launch.port, holder))
             if len(w.topology.units) != 1:
                 raise CaptureError("this capture path handles one launch unit on the local host; the recipe places %d" % len(w.topology.units))
+            if w.launch.executor == "docker":
+                docker_unit.check_checkpointing()
             store.init()
         with rb.phase("model_digests"):
             model_files = weights.record(Path(w.model.path)) if w.model.path else ()
@@ -176,15 +192,16 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, base_env: Mapping[str, 
             progress.step("starting %s for capture (%s, driver %s)" % (w.engine, req.capsule.ref, r.driver.name))
             with rb.phase("launch"):
                 t0 = time.monotonic()
-                unit = start_unit(command, env=env, log_path=log_path, pid_namespace=r.driver.pid_namespace)
-                root_pid = unit.root_pid
+                unit = running = launch_unit(w, command, env, log_path, pid_namespace=r.driver.pid_namespace, name="coldsnap-capture-%s" % req.capsule.name)
             endpoint = r.adapter.endpoint(w.launch.command, w.model.id, w.launch.port)
             if r.driver.boundary == "template":
                 image, validation = _capture_template(r, req, unit, endpoint, images, log_path, rb, progress, t0)
-                kill_tree(unit.root_pid, grace=10.0)
+                unit.stop(grace=10.0)
             else:
                 image, validation = _capture_serving(r, req, unit, endpoint, images, log_path, rb, progress, t0)
-            root_pid = None
+                if w.launch.executor == "docker":
+                    unit.remove()  # checkpointed and stopped; its layer is in the images now
+            running = None
             unit.reap()
             with rb.phase("pack"), progress.transfer("packing %.0f MB of process images" % (image.image_bytes / 1e6), image.image_bytes) as tick:
                 layers = pack_unit(images, unit_def.name, staging, tick=tick)
@@ -210,18 +227,19 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, base_env: Mapping[str, 
         rb.details["capsule_bytes"] = sum(l.size for l in layers)
         return CaptureOutcome(finish(rb, None), capsule_mod.open_capsule(store, req.capsule.ref))
     except BaseException as err:
-        _stop_quietly(root_pid, err)
+        _stop_quietly(running, err)
         if isinstance(err, ColdsnapError):
             err.receipt = finish(rb, err)  # type: ignore[attr-defined]
         raise
 
 
-def _ready(r: Resolved, endpoint: Endpoint, unit: StartedUnit, log_path: Path, rb: ReceiptBuilder, progress: Progress, timeout: float) -> None:
+def _ready(r: Resolved, endpoint: Endpoint, unit, log_path: Path, rb: ReceiptBuilder, progress: Progress, timeout: float) -> None:
     try:
         with rb.phase("ready"), progress.waiting("waiting for %s to answer on %s" % (r.adapter.name, endpoint.base_url)) as tick:
-            r.adapter.wait_ready(endpoint, alive=unit.alive, timeout=timeout, on_tick=lambda s: tick(s, _log_tail(log_path)))
+            r.adapter.wait_ready(endpoint, alive=unit.alive, timeout=timeout, on_tick=lambda s: tick(s, unit.tail()))
     except ColdsnapError as err:
-        raise type(err)("%s; engine log: %s (last line: %s)" % (err, log_path, _log_tail(log_path) or "empty")) from err
+        where = "container %s, %s" % (unit.name, docker_unit.LOG_IN_CONTAINER) if isinstance(unit, docker_unit.ContainerUnit) else str(log_path)
+        raise type(err)("%s; engine log: %s (last line: %s)" % (err, where, unit.tail() or "empty")) from err
 
 
 def _validated(r: Resolved, endpoint: Endpoint, req: CaptureRequest, rb: ReceiptBuilder, progress: Progress, t0: float) -> Validation:
@@ -252,7 +270,10 @@ def _capture_serving(r, req, unit, endpoint, images, log_path, rb, progress, t0)
     _precheck(r, unit.root_pid, rb)
     unit_def = req.workload.topology.units[0]
     with rb.phase("checkpoint"), progress.waiting("checkpointing the process tree") as tick:
-        image = r.driver.checkpoint(unit.root_pid, images, unit=unit_def.name, host=unit_def.host, progress=lambda m: tick(0, m))
+        if isinstance(unit, docker_unit.ContainerUnit):
+            image = r.driver.checkpoint_container(unit, images, unit_name=unit_def.name, host=unit_def.host, spec=unit.spec, progress=lambda m: tick(0, m))
+        else:
+            image = r.driver.checkpoint(unit.root_pid, images, unit=unit_def.name, host=unit_def.host, progress=lambda m: tick(0, m))
     return image, validation
 
 
@@ -293,6 +314,8 @@ class PreparedRestore:
     resolved: Resolved
     receipt: ReceiptBuilder
     prepare_seconds: float = 0.0
+    #: for container capsules: the new container, created and loaded, not started
+    container: docker_unit.ContainerUnit | None = None
     _cleaned: bool = field(default=False, repr=False)
 
     def handed_over(self) -> None:
@@ -303,6 +326,13 @@ class PreparedRestore:
         if not self._cleaned:
             shutil.rmtree(self.staging, ignore_errors=True)
             self._cleaned = True
+
+    def discard(self) -> None:
+        """Drop everything preparation made (an activation that never happens)."""
+        if self.container is not None:
+            self.container.remove()
+            self.container = None
+        self.cleanup()
 
 
 def identity_differences(captured: Workload, requested: Workload) -> list[str]:
@@ -359,7 +389,15 @@ def prepare_restore(req: RestoreRequest, *, store: CapsuleStore, progress: Progr
         with rb.phase("prepare.stage"), progress.transfer("verifying and unpacking capsule %s" % req.capsule.ref, total) as tick:
             for d in cap.layers:
                 unpack_layer(store, d, staging / "units", tick=tick)
-        prepared = PreparedRestore(req, cap, staging, r, rb, time.monotonic() - t)
+        prepared = PreparedRestore(req, cap, staging, r, rb)
+        unit = cap.config.units[0]
+        if "container" in unit.driver_data:
+            with rb.phase("prepare.container"):
+                spec = ContainerSpec.from_json(unit.driver_data["container"], labels=req.workload_labels, env=req.workload.launch.env, volumes=req.workload.launch.volumes)
+                temp = "coldsnap-restore-%s-%s" % (req.capsule.name, os.path.basename(staging)[-8:].lower())
+                prepared.container = r.driver.prepare_container(unit, staging / "units" / unit.name, spec, temp)
+            shutil.rmtree(staging, ignore_errors=True)  # the container holds its own copy now
+        prepared.prepare_seconds = time.monotonic() - t
         return prepared
     except BaseException as err:
         if staging is not None:
@@ -374,13 +412,14 @@ class RestoreOutcome:
     receipt: Receipt
     root_pid: int
     ttft_seconds: float | None
+    unit: object = None  # what stops it: a host process tree or a container
 
 
 def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Progress = QUIET) -> RestoreOutcome:
     """Restore the staged capsule, hydrate, validate; the result is a running, validated workload."""
     rb, req, cap, r = prepared.receipt, prepared.request, prepared.capsule, prepared.resolved
     w = req.workload
-    root_pid: int | None = None
+    running = None
     try:
         holder = port_holder(w.launch.port)
         if holder:
@@ -388,15 +427,21 @@ def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Pro
         unit: UnitImage = cap.config.units[0]
         t0 = time.monotonic()
         with rb.phase("restore"):
-            restored = r.driver.restore(unit, prepared.staging / "units" / unit.name, log_path=log_path, progress=progress.step, owned_dir=prepared.staging)
-            root_pid = restored.root_pid
-            if restored.images_handed_over:
-                prepared.handed_over()
+            if prepared.container is not None:
+                running = r.driver.start_container(prepared.container, req.workload_name, progress.step)
+                prepared.container = None
+                root_pid = running.root_pid
+            else:
+                restored = r.driver.restore(unit, prepared.staging / "units" / unit.name, log_path=log_path, progress=progress.step, owned_dir=prepared.staging)
+                root_pid = restored.root_pid
+                running = StartedUnit(root_pid, None, log_path, unit.pid_namespace)
+                if restored.images_handed_over:
+                    prepared.handed_over()
         endpoint = r.adapter.endpoint(w.launch.command, w.model.id, w.launch.port)
         if r.driver.boundary == "template":
             # Past its boundary the engine initializes the accelerator and loads its weights itself.
             with rb.phase("engine_init"), progress.waiting("engine initializing after the template boundary"):
-                r.adapter.wait_ready(endpoint, alive=lambda: psutil.pid_exists(root_pid), timeout=req.ready_timeout_seconds)
+                r.adapter.wait_ready(endpoint, alive=running.alive, timeout=req.ready_timeout_seconds)
             rb.weights = Weights(path="engine-load")
         elif cap.config.weights.location == "external":
             with rb.phase("hydrate"):
@@ -413,14 +458,14 @@ def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Pro
             raise ValidationError("restored workload replied %r, capsule %s recorded %r: the capsule does not match this host; recapture" % (validation.reply, req.capsule.ref, expected))
         rb.details["prepare_seconds"] = round(prepared.prepare_seconds, 4)
         rb.details["root_pid"] = root_pid
-        return RestoreOutcome(finish(rb, None), root_pid, validation.ttft_seconds)
+        return RestoreOutcome(finish(rb, None), root_pid, validation.ttft_seconds, running)
     except BaseException as err:
-        _stop_quietly(root_pid, err)
+        _stop_quietly(running, err)
         if isinstance(err, ColdsnapError):
             err.receipt = finish(rb, err)  # type: ignore[attr-defined]
         raise
     finally:
-        prepared.cleanup()
+        prepared.discard()
 
 
 # -- vanilla start ---------------------------------------------------------------------
@@ -431,13 +476,14 @@ class VanillaOutcome:
     receipt: Receipt
     root_pid: int
     ttft_seconds: float | None
+    unit: object = None
 
 
 def start_vanilla(req: RestoreRequest, *, base_env: Mapping[str, str], log_path: Path, progress: Progress = QUIET, on_started=None) -> VanillaOutcome:
     """Start the engine the ordinary way (no capsule), wait, validate."""
     rb = ReceiptBuilder("start", request_sha256=req.digest())
     w = req.workload
-    root_pid: int | None = None
+    running = None
     try:
         r = resolve(w)
         holder = port_holder(w.launch.port)
@@ -449,9 +495,9 @@ def start_vanilla(req: RestoreRequest, *, base_env: Mapping[str, str], log_path:
         endpoint = r.adapter.endpoint(w.launch.command, w.model.id, w.launch.port)
         with rb.phase("launch"):
             t0 = time.monotonic()
-            unit = start_unit(w.launch.command, env=env, log_path=log_path, pid_namespace=False)
+            unit = running = launch_unit(w, w.launch.command, env, log_path, pid_namespace=False, name=req.workload_name, labels=req.workload_labels)
             root_pid = unit.root_pid
-            started_cb(unit.root_pid)
+            started_cb(root_pid)
         _ready(r, endpoint, unit, log_path, rb, progress, req.ready_timeout_seconds)
         with rb.phase("validate"):
             validation = _validate(r, endpoint, req, t0, req.validation.expected_reply)
@@ -459,9 +505,9 @@ def start_vanilla(req: RestoreRequest, *, base_env: Mapping[str, str], log_path:
         if not validation.passed:
             raise ValidationError("the engine replied %r, the recipe expects %r" % (validation.reply, validation.expected_reply))
         rb.details["root_pid"] = root_pid
-        return VanillaOutcome(finish(rb, None), root_pid, validation.ttft_seconds)
+        return VanillaOutcome(finish(rb, None), root_pid, validation.ttft_seconds, running)
     except BaseException as err:
-        _stop_quietly(root_pid, err)
+        _stop_quietly(running, err)
         if isinstance(err, ColdsnapError):
             err.receipt = finish(rb, err)  # type: ignore[attr-defined]
         raise

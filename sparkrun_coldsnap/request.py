@@ -68,6 +68,8 @@ class Launch(Strict):
     port: int = Field(ge=1, le=65535)
     engine_env: str | None = Field(None, description="Local engine environment name (host-process workloads).")
     image: str | None = Field(None, description="Container image pinned by digest (name@sha256:...).")
+    volumes: dict[str, str] = Field(default_factory=dict, description="Container volumes, host path -> container path.")
+    shm_size: str | None = Field(None, description="Container /dev/shm size.")
 
     @field_validator("image")
     @classmethod
@@ -130,6 +132,7 @@ class RestoreRequest(Strict):
     capsule: CapsuleName
     on_missing: Literal["vanilla", "fail"] = "vanilla"
     workload_name: str = Field(description="Name sparkrun tracks the running workload by (its executor's record name).")
+    workload_labels: dict[str, str] = Field(default_factory=dict, description="Container labels sparkrun's executor gives its workloads.")
     ready_timeout_seconds: float = Field(900.0, gt=0)
 
     def digest(self) -> str:

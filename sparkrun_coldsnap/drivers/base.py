@@ -104,6 +104,26 @@ class SnapshotDriver(ABC):
         takes it over and removes it when done, and says so in the result.
         """
 
+    # -- container launch units (the engine in a Docker container) ------------
+
+    def checkpoint_container(self, unit: Any, images: Path, *, unit_name: str, host: str, spec: Any, progress: Progress) -> UnitImage:
+        """Capture a container started by the plugin into *images*; the container stops."""
+        from sparkrun_coldsnap.errors import CaptureError
+
+        raise CaptureError("snapshot driver %s does not capture containers; use executor: local, or the cpu driver" % self.name)
+
+    def prepare_container(self, unit: UnitImage, images: Path, spec: Any, temp_name: str) -> Any:
+        """Create the container a restore will start, loaded with *images* (before eviction)."""
+        from sparkrun_coldsnap.errors import RestoreError
+
+        raise RestoreError("snapshot driver %s does not restore containers" % self.name)
+
+    def start_container(self, prepared: Any, name: str, progress: Progress) -> Any:
+        """Start a prepared container from its checkpoint under sparkrun's *name*."""
+        from sparkrun_coldsnap.errors import RestoreError
+
+        raise RestoreError("snapshot driver %s does not restore containers" % self.name)
+
     def capabilities(self, host: HostFacts) -> dict[str, Any]:
         s = self.support(host)
         return {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import platform
 from pathlib import Path
+from typing import Any
 
 from sparkrun_coldsnap.drivers import criu_tree, tree_inspect
 from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, SnapshotDriver, Support, UnitImage
@@ -16,6 +17,7 @@ from sparkrun_coldsnap.drivers.criu_tool import Criu
 from sparkrun_coldsnap.errors import ToolError
 from sparkrun_coldsnap.hookspecs import hookimpl
 from sparkrun_coldsnap.hostinfo import HostFacts
+from sparkrun_coldsnap.launch.local import tree_pids
 
 
 class CpuDriver(SnapshotDriver):
@@ -54,6 +56,40 @@ class CpuDriver(SnapshotDriver):
         lazy = criu_tree.lazy_pages_supported(criu)
         pid, handed = criu_tree.restore(criu, unit, images, log_path=log_path, progress=progress, lazy=lazy, owned_dir=owned_dir)
         return RestoredUnit(pid, handed)
+
+
+    def checkpoint_container(self, unit: Any, images: Path, *, unit_name: str, host: str, spec: Any, progress: Progress) -> UnitImage:
+        from sparkrun_coldsnap.launch import docker as docker_unit
+        from sparkrun_coldsnap.request import redact_env
+
+        root = unit.root_pid
+        pids = tuple(tree_pids(root))
+        progress("docker checkpoint of %d processes" % len(pids))
+        docker_unit.checkpoint(unit, images)
+        size = sum(f.stat().st_size for f in images.rglob("*") if f.is_file())
+        recorded = dict(spec.to_json(), env=redact_env(dict(spec.env)))
+        return UnitImage(
+            name=unit_name,
+            host=host,
+            driver=self.name,
+            root_pid=root,
+            pids=pids,
+            pid_namespace=True,
+            image_bytes=size,
+            criu_version=Criu.locate().version,
+            driver_data={"container": recorded, "runtime": docker_unit.runtime_summary()},
+        )
+
+    def prepare_container(self, unit: UnitImage, images: Path, spec: Any, temp_name: str) -> Any:
+        from sparkrun_coldsnap.launch import docker as docker_unit
+
+        return docker_unit.prepare_restore(spec, images, temp_name)
+
+    def start_container(self, prepared: Any, name: str, progress: Progress) -> Any:
+        from sparkrun_coldsnap.launch import docker as docker_unit
+
+        progress("docker start --checkpoint")
+        return docker_unit.start_from_checkpoint(prepared, name)
 
 
 @hookimpl

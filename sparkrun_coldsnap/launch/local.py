@@ -45,6 +45,20 @@ class StartedUnit:
         except psutil.NoSuchProcess:
             return False
 
+    def stop(self, grace: float = 10.0) -> None:
+        kill_tree(self.root_pid, grace=grace)
+
+    def tail(self) -> str:
+        """The last non-empty line of the unit's output."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(f.tell() - 4096, 0))
+                lines = [l for l in f.read().decode(errors="replace").splitlines() if l.strip()]
+        except OSError:
+            return ""
+        return lines[-1] if lines else ""
+
     def reap(self, timeout: float = 10.0) -> None:
         if self.launcher is not None:
             try:

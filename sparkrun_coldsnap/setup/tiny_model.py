@@ -75,18 +75,27 @@ def train_tokenizer(out: Path, vocab_size: int) -> None:
     fast.save_pretrained(out)
 
 
-def build_model(out: Path, seed: int, vocab_size: int, eos_id: int, pad_id: int, special_ids: list[int]) -> None:
+SHAPES = {
+    # name: (hidden, intermediate, layers, heads, kv heads)
+    "tiny": (256, 688, 4, 4, 2),  # 5 MB: the embedded default, served on the CPU
+    "1.5b": (1536, 8960, 28, 12, 2),  # 2.6 GB: the GPU qualification's first stage
+    "8b": (4096, 12288, 36, 32, 8),  # 15 GB: the second stage
+}
+
+
+def build_model(out: Path, seed: int, vocab_size: int, eos_id: int, pad_id: int, special_ids: list[int], shape: str = "tiny", device: str = "cpu") -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    hidden, intermediate, layers, heads, kv_heads = SHAPES[shape]
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=vocab_size,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=2048,
         rope_theta=10000.0,
         tie_word_embeddings=False,
@@ -95,7 +104,9 @@ def build_model(out: Path, seed: int, vocab_size: int, eos_id: int, pad_id: int,
         bos_token_id=None,
         torch_dtype="bfloat16",
     )
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    # Built on *device* (random initialization of billions of weights is slow on a CPU).
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     # Random weights would pick special tokens as often as any other, and those
     # stream as empty text. Zero logits keep every special token below the
     # random ones, so a greedy reply is always visible text of max_tokens.
@@ -103,7 +114,7 @@ def build_model(out: Path, seed: int, vocab_size: int, eos_id: int, pad_id: int,
         model.lm_head.weight[[eos_id, pad_id, *special_ids]] = 0
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = pad_id
-    model.save_pretrained(out, safe_serialization=True)
+    model.to("cpu").save_pretrained(out, safe_serialization=True)
 
 
 def drop_tool_versions(folder: Path) -> None:
@@ -156,6 +167,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--model-id", default="coldsnap/tiny-qwen2")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab-size", type=int, default=1024, help="upper bound; the trained vocabulary may be smaller")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    ap.add_argument("--device", default="cpu", help="where to initialize the weights (cuda is much faster for large shapes)")
     args = ap.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="tiny-model-") as tmp:
@@ -165,7 +178,7 @@ def main(argv: list[str]) -> int:
         vocab = tok["model"]["vocab"]
         # The embedding matrix gets exactly the tokenizer's vocabulary: ids
         # without a string would decode to nothing and make replies empty.
-        build_model(staged, args.seed, len(vocab), vocab["<|im_end|>"], vocab["<|endoftext|>"], [vocab[t] for t in SPECIAL])
+        build_model(staged, args.seed, len(vocab), vocab["<|im_end|>"], vocab["<|endoftext|>"], [vocab[t] for t in SPECIAL], args.shape, args.device)
         drop_tool_versions(staged)
         revision = content_revision(staged)
         snapshot = place_in_hf_cache(staged, args.hf_home, args.model_id, revision)

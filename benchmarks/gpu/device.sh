@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repository root. The machine reaches no registry: what
+# prepare_carry.sh made travels in pieces (each command carries at most 64 MiB) and is
+# assembled under $WORK, outside the work tree, where it stays while the machine is held.
+#   bash benchmarks/gpu/device.sh stash      # keep this call's carried pieces in $WORK
+#   bash benchmarks/gpu/device.sh install    # assemble vLLM, install both targets, unpack CRIU
+#   bash benchmarks/gpu/device.sh env        # print the environment lines the other steps use
+set -euo pipefail
+WORK=${COLDSNAP_GPU_WORK:-/root/coldsnap-gpu}
+CARRY=.carry/gpu
+mkdir -p "$WORK/pieces" "$WORK/engine-wheels" "$WORK/plugin-wheels" "$WORK/criu-debs"
+
+stash() {
+  [ -d $CARRY/vllm ] && cp -v $CARRY/vllm/* "$WORK/pieces/" || true
+  [ -d $CARRY/engine ] && cp $CARRY/engine/*.whl "$WORK/engine-wheels/" || true
+  [ -d $CARRY/plugin ] && cp $CARRY/plugin/*.whl "$WORK/plugin-wheels/" || true
+  [ -d $CARRY/criu ] && cp $CARRY/criu/*.deb "$WORK/criu-debs/" || true
+  du -sh "$WORK"/*
+}
+
+install_plugin() {
+  # The plugin and sparkrun with its exact pins, in a target of their own.
+  python3 -m pip install --quiet --no-deps --no-index --target "$WORK/plugin-site" "$WORK"/plugin-wheels/*.whl
+  export COLDSNAP_HOME="$WORK/coldsnap-home"
+  mkdir -p "$COLDSNAP_HOME"
+  rm -rf "$COLDSNAP_HOME/criu"
+  PYTHONPATH="$WORK/plugin-site" python3 -m sparkrun_coldsnap setup --criu --criu-debs "$WORK/criu-debs"
+}
+
+install_engine() {
+  name=$(cat "$WORK/pieces/NAME")
+  cat "$WORK"/pieces/vllm.whl.part* > "$WORK/$name"
+  python3 -m pip install --quiet --no-deps --no-index --target "$WORK/engine-site" "$WORK/$name" "$WORK"/engine-wheels/*.whl
+  PYTHONPATH="$WORK/engine-site" python3 -c "import vllm; print('vllm', vllm.__version__)"
+}
+
+case "${1:-}" in
+  stash) stash ;;
+  plugin) install_plugin ;;
+  engine) install_engine ;;
+  env)
+    echo "export COLDSNAP_HOME=$WORK/coldsnap-home PYTHONPATH=$WORK/plugin-site PATH=$WORK/plugin-site/bin:\$PATH SPARKRUN_NO_TELEMETRY=1 HF_HUB_OFFLINE=1" ;;
+  *) echo "usage: $0 stash|plugin|engine|env" >&2; exit 2 ;;
+esac

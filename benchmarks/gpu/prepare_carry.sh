@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Prepare, on the CPU machine, everything the GPU qualification needs on a machine that
+# reaches no package registry: wheels for two separate targets (the engine's, the plugin's),
+# CRIU's packages, and vLLM's wheel split into pieces small enough to travel.
+#   bash benchmarks/gpu/prepare_carry.sh [DIR]      (default .carry/gpu, ignored by git)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${1:-.carry/gpu}
+mkdir -p "$OUT/engine" "$OUT/plugin" "$OUT/criu" "$OUT/vllm"
+PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --platform any --platform linux_x86_64
+      --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
+for x in 5 12 17 24 26 27 28 31 34 35; do PLAT+=(--platform "manylinux_2_${x}_x86_64"); done
+
+# vLLM 0.26.0 pins torch 2.11.0 and CUDA 13, like the GPU machine's own torch: only what that
+# machine lacks is carried (the set a by-hand run needed), installed with --no-deps.
+pip download --quiet --no-deps "${PLAT[@]}" -d "$OUT/engine" \
+  annotated-types "apache-tvm-ffi==0.1.10" cachetools cbor2 distro "fastapi==0.136.3" jmespath "llguidance==1.7.6" \
+  model-hosting-container-standards msgspec "openai==2.48.0" openai-harmony partial-json-parser \
+  prometheus-fastapi-instrumentator pybase64 "pydantic==2.14.4" "pydantic-core==2.50.5" pyzmq sniffio starlette \
+  typing-inspection uvicorn watchfiles "xgrammar==0.2.3" jiter jsonschema jsonschema-specifications referencing \
+  rpds-py email-validator dnspython pydantic-extra-types python-multipart setproctitle blake3
+pip download --quiet --no-deps "${PLAT[@]}" -d "$OUT/vllm-whole" "vllm==0.26.0"
+split -b 60m -d "$OUT"/vllm-whole/vllm-0.26.0-*.whl "$OUT/vllm/vllm.whl.part"
+ls "$OUT"/vllm-whole/ > "$OUT/vllm/NAME"
+rm -rf "$OUT/vllm-whole"
+
+# The plugin with sparkrun's exact pins (its pydantic differs from vLLM's): a target of its own.
+# What the machine's image already has (numpy, matplotlib, pillow, ...) is not carried.
+pip download --quiet "${PLAT[@]}" -d "$OUT/plugin" sparkrun==0.4.2 pluggy oras psutil zstandard requests rich jsonschema
+rm -f "$OUT"/plugin/{numpy,matplotlib,pillow,fonttools,contourpy,kiwisolver,cycler,pyparsing,python_dateutil}-*.whl
+.venv/bin/pip wheel --quiet --no-deps -w "$OUT/plugin" .
+
+# CRIU 4.2.1 and the libraries it links (the same packages `sparkrun coldsnap setup --criu` unpacks).
+.venv/bin/python - "$OUT/criu" <<'PY'
+import sys
+from pathlib import Path
+from sparkrun_coldsnap.setup.criu_install import download_debs
+download_debs(Path(sys.argv[1]), log=print)
+PY
+du -sh "$OUT"/*

@@ -1,0 +1,167 @@
+"""GPU qualification: real vLLM captured and restored by the project's own drivers.
+
+Runs on the GPU machine (see run_on_device.md). Makes a model of a real
+architecture with random weights, captures it with each driver asked for, then
+alternates samples: a vanilla start, and a restore by each driver, with the
+page cache dropped before every one; preparation is kept off the clock and
+reported. Every restore is validated against the reply recorded at capture.
+
+    python3 benchmarks/gpu/qualify.py model   --work W --shape 1.5b
+    python3 benchmarks/gpu/qualify.py capture --work W --drivers n610,n580 --out OUT
+    python3 benchmarks/gpu/qualify.py samples --work W --drivers n610,n580 --samples 3 --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from sparkrun_coldsnap import bench, controller  # noqa: E402
+from sparkrun_coldsnap.capsule.store import CapsuleStore  # noqa: E402
+from sparkrun_coldsnap.errors import ColdsnapError  # noqa: E402
+from sparkrun_coldsnap.hostinfo import gpu_facts  # noqa: E402
+from sparkrun_coldsnap.progress import Progress  # noqa: E402
+from sparkrun_coldsnap.receipts import write_receipt  # noqa: E402
+from sparkrun_coldsnap.request import (  # noqa: E402
+    CaptureRequest,
+    CapsuleName,
+    Launch,
+    LaunchUnit,
+    ModelRef,
+    RestoreRequest,
+    Topology,
+    ValidationSpec,
+    Workload,
+)
+
+PROMPT = "Reply with one short sentence: what is a cold start?"
+PORT = 8000
+
+
+def model_info(work: Path) -> dict:
+    return json.loads((work / "model.json").read_text())
+
+
+def make_model(work: Path, shape: str, python: str, device: str) -> dict:
+    if (work / "model.json").exists():
+        return model_info(work)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [python, str(ROOT / "sparkrun_coldsnap" / "setup" / "tiny_model.py"), "--hf-home", str(work / "hf"), "--model-id", "coldsnap/qual-%s" % shape, "--shape", shape, "--device", device],
+        capture_output=True, text=True, env=env, check=True,
+    )  # fmt: skip
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    (work / "model.json").write_text(json.dumps(info))
+    return info
+
+
+def workload(info: dict, driver: str, engine_site: str, extra_args: str, python: str) -> Workload:
+    command = (
+        "%s -m vllm.entrypoints.openai.api_server --model %s --served-model-name %s --port %d "
+        "--gpu-memory-utilization 0.3 --max-model-len 2048 --disable-custom-all-reduce %s" % (python, info["path"], info["model_id"], PORT, extra_args)
+    ).strip()
+    env = {
+        # The engine's own packages, apart from the plugin's (sparkrun pins another pydantic).
+        "PYTHONPATH": engine_site,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    }
+    return Workload(
+        recipe="qual-vllm-%s" % info["model_id"].split("-")[-1],
+        engine="vllm",
+        runtime="vllm",
+        model=ModelRef(id=info["model_id"], revision=info["revision"], path=info["path"]),
+        topology=Topology(hosts=("localhost",), units=(LaunchUnit(name="solo", host="localhost"),)),
+        launch=Launch(executor="local", command=command, env=env, port=PORT),
+        driver=driver,
+    )
+
+
+def requests_for(args, driver: str) -> tuple[CaptureRequest, RestoreRequest]:
+    info = model_info(args.work)
+    w = workload(info, driver, args.engine_site, args.extra_args, args.engine_python)
+    v = ValidationSpec(prompt=PROMPT, max_tokens=16, timeout_seconds=300)
+    name = CapsuleName(name="qual-%s" % driver)
+    cap = CaptureRequest(workload=w, validation=v, capsule=name, ready_timeout_seconds=1200)
+    res = RestoreRequest(workload=w, validation=v, capsule=name, on_missing="fail", workload_name="qual", ready_timeout_seconds=1200)
+    return cap, res
+
+
+def cmd_model(args) -> None:
+    info = make_model(args.work, args.shape, args.model_python, args.model_device)
+    print(json.dumps(info))
+
+
+def cmd_capture(args) -> None:
+    store = CapsuleStore(args.work / "store")
+    progress = Progress()
+    for driver in args.drivers:
+        cap, _ = requests_for(args, driver)
+        bench.drop_page_cache()
+        try:
+            out = controller.capture(cap, store=store, base_env=dict(os.environ), progress=progress)
+            receipt = out.receipt
+        except ColdsnapError as err:
+            receipt = getattr(err, "receipt", None)
+            print("capture with %s failed: %s" % (driver, err), flush=True)
+        if receipt is not None:
+            write_receipt(receipt, args.out / ("capture-%s.json" % driver))
+            print("capture %s: %s in %.1f s, phases %s" % (driver, receipt.state, receipt.total_seconds, {p.name: p.seconds for p in receipt.phases}), flush=True)
+
+
+def cmd_samples(args) -> None:
+    store = CapsuleStore(args.work / "store")
+    restores = {}
+    capsules = {}
+    vanilla = None
+    for driver in args.drivers:
+        _, res = requests_for(args, driver)
+        try:
+            entry = store.resolve(res.capsule.ref)
+        except ColdsnapError as err:
+            print("no capsule for %s: %s" % (driver, err), flush=True)
+            continue
+        restores[driver] = (res, store)
+        capsules[driver] = {"ref": res.capsule.ref, "digest": entry.descriptor.digest}
+        vanilla = vanilla or res
+    if vanilla is None:
+        sys.exit("nothing to measure")
+    # Vanilla starts without sleep mode, as a user would run it.
+    results = bench.run_paths(vanilla, restores, samples=args.samples, base_env=dict(os.environ), progress=Progress(), drop_cache=True)
+    g = gpu_facts()
+    gpu = {"gpus": [x.name for x in g.gpus], "nvidia_driver": g.nvidia_driver, "cuda": g.cuda_version}
+    doc = bench.document(vanilla, results, capsules=capsules, drop_cache=True, extra={"gpu": gpu, "compile_cache": "warm (filled by the captures' starts)"})
+    path, png = bench.write(doc, args.out)
+    print(bench.table(doc))
+    print("results: %s %s" % (path, png or ""))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("step", choices=("model", "capture", "samples"))
+    ap.add_argument("--work", type=Path, required=True, help="work directory (model, store)")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
+    ap.add_argument("--shape", default="1.5b")
+    ap.add_argument("--drivers", type=lambda s: [d for d in s.split(",") if d], default=["n610", "n580"])
+    ap.add_argument("--samples", type=int, default=3)
+    ap.add_argument("--engine-site", default="", help="PYTHONPATH of the engine's carried packages")
+    ap.add_argument("--extra-args", default="", help="more engine flags")
+    ap.add_argument("--engine-python", default="python3", help="the engine's interpreter")
+    ap.add_argument("--model-python", default=sys.executable)
+    ap.add_argument("--model-device", default="cuda")
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    {"model": cmd_model, "capture": cmd_capture, "samples": cmd_samples}[args.step](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""GPU smoke test of the n610 driver: CUDA checkpoint API + CRIU on a small CUDA server.
+
+    python3 benchmarks/gpu/smoke.py --out OUT
+Writes smoke.json (each step, its seconds, and the checksums) to OUT.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from sparkrun_coldsnap.drivers import cuda_checkpoint  # noqa: E402
+from sparkrun_coldsnap.drivers.n610 import N610Driver  # noqa: E402
+from sparkrun_coldsnap.hostinfo import host_facts  # noqa: E402
+from sparkrun_coldsnap.launch.iouring import io_uring_disabled  # noqa: E402
+from sparkrun_coldsnap.launch.local import kill_tree, start_unit  # noqa: E402
+
+
+def ask(port: int, timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return requests.get("http://127.0.0.1:%d/" % port, timeout=30).text.strip()
+        except requests.RequestException:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
+    ap.add_argument("--port", type=int, default=8123)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"host": host_facts().model_dump()}
+    driver = N610Driver()
+    report["support"] = driver.support(host_facts()).__dict__
+    work = Path("/root/coldsnap-smoke")
+    work.mkdir(exist_ok=True)
+    t = time.monotonic()
+    with io_uring_disabled():
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the machine's own torch, not the plugin's target
+        unit = start_unit("%s %s %d" % (sys.executable, ROOT / "benchmarks/gpu/cuda_workload.py", args.port), env=env, log_path=work / "w.log", pid_namespace=False)
+        before = ask(args.port)
+    report["start_seconds"] = time.monotonic() - t
+    report["checksum_before"] = before
+    try:
+        report["precheck"] = driver.precheck(unit.root_pid)
+        t = time.monotonic()
+        image = driver.checkpoint(unit.root_pid, work / "images", unit="solo", host="localhost", progress=print)
+        report["checkpoint_seconds"] = time.monotonic() - t
+        report["image_bytes"] = image.image_bytes
+        report["cuda_pids"] = image.driver_data.get("cuda_pids")
+        unit.reap()
+        report["admission"] = driver.admission(image)
+        t = time.monotonic()
+        restored = driver.restore(image, work / "images", log_path=work / "r.log", progress=print)
+        report["restore_seconds"] = time.monotonic() - t
+        after = ask(args.port)
+        report["reply_seconds_after_restore"] = time.monotonic() - t
+        report["checksum_after"] = after
+        report["passed"] = after == before
+        kill_tree(restored.root_pid)
+    except Exception as err:  # noqa: BLE001 - the report says what broke
+        report["error"] = "%s: %s" % (type(err).__name__, err)
+        kill_tree(unit.root_pid)
+    (args.out / "smoke.json").write_text(json.dumps(report, indent=2, default=str))
+    print(json.dumps(report, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

