@@ -30,7 +30,7 @@ from sparkrun_coldsnap.drivers.n580 import template_command, wait_for_boundary
 from sparkrun_coldsnap.engines.base import EngineAdapter, Endpoint
 from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, CompatibilityError, RestoreError, ValidationError, describe_cleanup_failure
 from sparkrun_coldsnap.hostinfo import host_facts
-from sparkrun_coldsnap.launch.engine_env import EngineEnv, EngineFacts
+from sparkrun_coldsnap.launch.engine_env import EngineEnv, EngineFacts, command_facts
 from sparkrun_coldsnap.launch.iouring import io_uring_disabled
 from sparkrun_coldsnap.launch import docker as docker_unit
 from sparkrun_coldsnap.launch.docker import ContainerSpec
@@ -69,7 +69,12 @@ def resolve(workload: Workload) -> Resolved:
     adapter = reg.engine(workload.engine)
     driver = reg.driver(workload.driver)
     engine_env = EngineEnv.named(workload.launch.engine_env) if workload.launch.engine_env else None
-    facts = engine_env.facts() if engine_env else None
+    if engine_env is not None:
+        facts = engine_env.facts()
+    elif workload.launch.executor == "local":
+        facts = command_facts(workload.launch.command, {"PATH": os.environ.get("PATH", ""), **workload.launch.env})
+    else:
+        facts = None  # a container: the image digest stands for what is inside
     return Resolved(adapter, driver, engine_env, facts)
 
 
@@ -117,11 +122,11 @@ def container_spec(workload: Workload, command: str, env: Mapping[str, str], lab
     )
 
 
-def launch_unit(workload: Workload, command: str, env: Mapping[str, str], log_path: Path, *, pid_namespace: bool, name: str, labels: Mapping[str, str] | None = None):
+def launch_unit(workload: Workload, command: str, env: Mapping[str, str], log_path: Path, *, name: str, labels: Mapping[str, str] | None = None):
     """Start the engine as host processes or in a container, as the workload's executor says."""
     if workload.launch.executor == "docker":
         return docker_unit.start_container(container_spec(workload, command, env, labels), name)
-    return start_unit(command, env=env, log_path=log_path, pid_namespace=pid_namespace)
+    return start_unit(command, env=env, log_path=log_path)
 
 
 def _validate(r: Resolved, endpoint: Endpoint, req: CaptureRequest | RestoreRequest, t0: float, expected: str | None) -> Validation:
@@ -181,7 +186,8 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, base_env: Mapping[str, 
             model_files = weights.record(Path(w.model.path)) if w.model.path else ()
         command, env = r.adapter.prepare_launch(w.launch.command, launch_env(w, r, base_env), release_weights=r.driver.needs_release)
         if r.driver.boundary == "template":
-            command = template_command(command, module_for_script=r.adapter.console_scripts, preload=r.adapter.template_preload)
+            preload = tuple(m for m in os.environ.get("COLDSNAP_TEMPLATE_PRELOAD", "").split(",") if m) or r.adapter.template_preload
+            command = template_command(command, module_for_script=r.adapter.console_scripts, preload=preload)
         log_path = paths.run_dir() / "logs" / ("capture-%s-%d.log" % (req.capsule.name, os.getpid()))
         log_path.unlink(missing_ok=True)
         unit_def = w.topology.units[0]
@@ -192,7 +198,7 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, base_env: Mapping[str, 
             progress.step("starting %s for capture (%s, driver %s)" % (w.engine, req.capsule.ref, r.driver.name))
             with rb.phase("launch"):
                 t0 = time.monotonic()
-                unit = running = launch_unit(w, command, env, log_path, pid_namespace=r.driver.pid_namespace, name="coldsnap-capture-%s" % req.capsule.name)
+                unit = running = launch_unit(w, command, env, log_path, name="coldsnap-capture-%s" % req.capsule.name)
             endpoint = r.adapter.endpoint(w.launch.command, w.model.id, w.launch.port)
             if r.driver.boundary == "template":
                 image, validation = _capture_template(r, req, unit, endpoint, images, log_path, rb, progress, t0)
@@ -434,7 +440,7 @@ def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Pro
             else:
                 restored = r.driver.restore(unit, prepared.staging / "units" / unit.name, log_path=log_path, progress=progress.step, owned_dir=prepared.staging)
                 root_pid = restored.root_pid
-                running = StartedUnit(root_pid, None, log_path, unit.pid_namespace)
+                running = StartedUnit(root_pid, None, log_path)
                 if restored.images_handed_over:
                     prepared.handed_over()
         endpoint = r.adapter.endpoint(w.launch.command, w.model.id, w.launch.port)
@@ -495,7 +501,7 @@ def start_vanilla(req: RestoreRequest, *, base_env: Mapping[str, str], log_path:
         endpoint = r.adapter.endpoint(w.launch.command, w.model.id, w.launch.port)
         with rb.phase("launch"):
             t0 = time.monotonic()
-            unit = running = launch_unit(w, w.launch.command, env, log_path, pid_namespace=False, name=req.workload_name, labels=req.workload_labels)
+            unit = running = launch_unit(w, w.launch.command, env, log_path, name=req.workload_name, labels=req.workload_labels)
             root_pid = unit.root_pid
             started_cb(root_pid)
         _ready(r, endpoint, unit, log_path, rb, progress, req.ready_timeout_seconds)

@@ -79,9 +79,8 @@ def _host() -> list[Check]:
         out.append(Check("root", "fail", "capture and restore run CRIU, which needs root", "run as root"))
     if SYSCTL.exists():
         out.append(Check("io_uring switch", "ok", "kernel.io_uring_disabled=%s (capture sets 2 while it runs)" % SYSCTL.read_text().strip()))
-    for tool in ("unshare", "setsid"):
-        if not shutil.which(tool):
-            out.append(Check(tool, "fail", "%s not found" % tool, "install util-linux"))
+    if not shutil.which("bash"):
+        out.append(Check("bash", "fail", "bash not found: engines are started with bash -c", "install bash"))
     g = h.gpu
     if g.problem:
         out.append(Check("gpu", "warn", g.problem, "check the NVIDIA driver installation"))

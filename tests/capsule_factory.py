@@ -63,7 +63,7 @@ def make_capsule(store: CapsuleStore, tmp: Path, name: str = "synthetic", *, tag
         driver="cpu",
         validation=CapturedValidation(prompt="hi", max_tokens=4, reply="hello"),
         weights=WeightsRecord(location="external" if model_dir else "in-image", model_id="test/model", revision=REVISION, files=files),
-        units=(UnitImage(name="solo", host="localhost", driver="cpu", root_pid=1000, pids=(1000,), pid_namespace=True),),
+        units=(UnitImage(name="solo", host="localhost", driver="cpu", root_pid=1000, pids=(2**22 + 1000,), pid_namespace=False),),
     )
     capsule_mod.publish(store, layers, config)
     return capsule_mod.open_capsule(store, "%s:%s" % (name, tag))

@@ -1,6 +1,6 @@
 """The cpu driver with real CRIU on a small multi-process server (seconds, not minutes).
 
-Covers what the engine cycle relies on: a PID-namespace tree dumped and
+Covers what the engine cycle relies on: a process tree dumped and
 restored twice from the same images (saved shared memory and link-remap
 files put back each time), a fresh log per restore, and capture refusing
 io_uring instances and connections to outside peers before anything is
@@ -43,7 +43,7 @@ def wait_http(url: str, timeout: float = 30) -> str:
 
 def start(tmp_path: Path, port: int, *extra: str):
     cmd = "%s %s --port %d %s" % (sys.executable, SERVER, port, " ".join(extra))
-    unit = start_unit(cmd, env={"PATH": "/usr/bin:/bin"}, log_path=tmp_path / "server.log", pid_namespace=True)
+    unit = start_unit(cmd, env={"PATH": "/usr/bin:/bin"}, log_path=tmp_path / "server.log")
     deadline = time.monotonic() + 30
     while "ready" not in (tmp_path / "server.log").read_text():
         assert unit.alive() and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
@@ -66,10 +66,11 @@ def test_dump_then_restore_twice_from_the_same_images(tmp_path):
             raise
     unit.reap()
     assert not unit.alive()
-    assert image.pid_namespace and len(image.pids) >= 3
+    assert not image.pid_namespace and len(image.pids) >= 3
     assert any(f.path.startswith("/dev/shm/psm_") for f in image.shared_files)
     assert not any(Path(f.path).exists() for f in image.shared_files)  # content moved into the images
     for attempt in (1, 2):
+        assert driver.admission(image) == []  # the captured PIDs are free (zombies given time to be reaped)
         log = tmp_path / ("restore-%d.log" % attempt)
         pid = driver.restore(image, tmp_path / "images", log_path=log, progress=lambda m: None).root_pid
         try:
@@ -79,7 +80,6 @@ def test_dump_then_restore_twice_from_the_same_images(tmp_path):
             assert len(tree_pids(pid)) >= 3
         finally:
             kill_tree(pid)
-        assert driver.admission(image) == []
 
 
 def test_capture_refuses_io_uring_and_outside_connections(tmp_path):
@@ -125,7 +125,7 @@ def test_template_boundary_dump_resume_and_restore(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(SERVER.parent)}
     driver = N580Driver()
     with io_uring_disabled():
-        unit = start_unit(cmd, env=env, log_path=tmp_path / "t.log", pid_namespace=False)
+        unit = start_unit(cmd, env=env, log_path=tmp_path / "t.log")
         try:
             wait_for_boundary(tmp_path / "t.log", unit.alive, 30)
             assert driver.precheck(unit.root_pid) == []

@@ -52,7 +52,8 @@ def model_info(work: Path) -> dict:
 def make_model(work: Path, shape: str, python: str, device: str) -> dict:
     if (work / "model.json").exists():
         return model_info(work)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    # The machine's own torch and transformers: not the plugin's target.
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "HF_HUB_OFFLINE": "1"}
     out = subprocess.run(
         [python, str(ROOT / "sparkrun_coldsnap" / "setup" / "tiny_model.py"), "--hf-home", str(work / "hf"), "--model-id", "coldsnap/qual-%s" % shape, "--shape", shape, "--device", device],
         capture_output=True, text=True, env=env, check=True,
@@ -135,7 +136,14 @@ def cmd_samples(args) -> None:
     if vanilla is None:
         sys.exit("nothing to measure")
     # Vanilla starts without sleep mode, as a user would run it.
-    results = bench.run_paths(vanilla, restores, samples=args.samples, base_env=dict(os.environ), progress=Progress(), drop_cache=True)
+    new = bench.run_paths(vanilla, restores, samples=args.samples, base_env=dict(os.environ), progress=Progress(), drop_cache=True)
+    # Samples accumulate across calls (one call may not hold them all): kept beside the store.
+    kept = args.work / "samples.json"
+    old = [bench.Sample(**s) for s in json.loads(kept.read_text())] if kept.exists() else []
+    for s in new:
+        s.index += 1 + max([o.index for o in old], default=-1)
+    results = old + new
+    kept.write_text(json.dumps([s.__dict__ for s in results]))
     g = gpu_facts()
     gpu = {"gpus": [x.name for x in g.gpus], "nvidia_driver": g.nvidia_driver, "cuda": g.cuda_version}
     doc = bench.document(vanilla, results, capsules=capsules, drop_cache=True, extra={"gpu": gpu, "compile_cache": "warm (filled by the captures' starts)"})

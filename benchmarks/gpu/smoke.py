@@ -48,7 +48,7 @@ def main() -> None:
     t = time.monotonic()
     with io_uring_disabled():
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the machine's own torch, not the plugin's target
-        unit = start_unit("%s %s %d" % (sys.executable, ROOT / "benchmarks/gpu/cuda_workload.py", args.port), env=env, log_path=work / "w.log", pid_namespace=False)
+        unit = start_unit("%s %s %d" % (sys.executable, ROOT / "benchmarks/gpu/cuda_workload.py", args.port), env=env, log_path=work / "w.log")
         before = ask(args.port)
     report["start_seconds"] = time.monotonic() - t
     report["checksum_before"] = before

@@ -61,8 +61,6 @@ class SnapshotDriver(ABC):
     summary: ClassVar[str] = ""
     #: where weights are after capture: inside the process images, or outside.
     weights_in_image: ClassVar[bool] = False
-    #: launch units for capture run in their own PID namespace.
-    pid_namespace: ClassVar[bool] = True
     #: the engine must release device memory before capture.
     needs_release: ClassVar[bool] = False
     #: "serving": capture the validated, serving engine; "template": capture it

@@ -1,8 +1,15 @@
 """The ``cpu`` driver: CRIU alone, for engines that run without a GPU.
 
 The engine cannot release its weights on the CPU (vLLM has no sleep mode
-there), so they travel inside the process images: the capsule says so. The
-tree runs in its own PID namespace, so restore never needs host PIDs free.
+there), so they travel inside the process images: the capsule says so.
+
+The tree runs in the host PID namespace, and restore needs the captured PIDs
+free (admission checks, and names any process holding one). A PID namespace
+of its own would avoid that, but without a /proc of its own the engine reads
+the wrong processes' /proc/<pid> files (vLLM reads /proc/<getpid()>/status),
+and with one (a new mount namespace) CRIU cannot dump the tree's descriptors
+opened on the host's mounts. CUDA also failed to initialize inside a PID
+namespace on the GPU machine.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from typing import Any
 from sparkrun_coldsnap.drivers import criu_tree, tree_inspect
 from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, SnapshotDriver, Support, UnitImage
 from sparkrun_coldsnap.drivers.criu_tool import Criu
+from sparkrun_coldsnap.drivers.n610 import pid_problems
 from sparkrun_coldsnap.errors import ToolError
 from sparkrun_coldsnap.hookspecs import hookimpl
 from sparkrun_coldsnap.hostinfo import HostFacts
@@ -25,7 +33,6 @@ class CpuDriver(SnapshotDriver):
     preference = 90  # after the GPU drivers: a GPU host should not pick it by default
     summary = "CRIU process-tree capture for CPU engines; weights inside the process images"
     weights_in_image = True
-    pid_namespace = True
 
     def support(self, host: HostFacts) -> Support:
         if platform.system() != "Linux":
@@ -42,11 +49,12 @@ class CpuDriver(SnapshotDriver):
         return tree_inspect.problems(root_pid)
 
     def checkpoint(self, root_pid: int, images: Path, *, unit: str, host: str, progress: Progress) -> UnitImage:
-        return criu_tree.dump(Criu.locate(), root_pid, images, unit=unit, host=host, driver=self.name, pid_namespace=True, progress=progress)
+        return criu_tree.dump(Criu.locate(), root_pid, images, unit=unit, host=host, driver=self.name, progress=progress)
 
     def admission(self, unit: UnitImage) -> list[str]:
         criu_tree.lazy_pages_supported(Criu.locate())  # probed now, off the restore clock
-        return criu_tree.shared_file_problems(unit)
+        pids = pid_problems(unit.pids) if not unit.pid_namespace else []
+        return pids + criu_tree.shared_file_problems(unit)
 
     def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None) -> RestoredUnit:
         criu = Criu.locate()

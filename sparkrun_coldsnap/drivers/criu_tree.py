@@ -71,7 +71,7 @@ def _listing(dirs: set[Path]) -> set[Path]:
 
 
 def dump(
-    criu: Criu, root_pid: int, images: Path, *, unit: str, host: str, driver: str, pid_namespace: bool, progress: Progress, leave_running: bool = False,
+    criu: Criu, root_pid: int, images: Path, *, unit: str, host: str, driver: str, progress: Progress, leave_running: bool = False,
 ) -> UnitImage:  # fmt: skip
     """Dump the tree at *root_pid* into *images*; on success the tree is gone unless *leave_running*."""
     images.mkdir(parents=True, exist_ok=True)
@@ -97,7 +97,7 @@ def dump(
         driver=driver,
         root_pid=root_pid,
         pids=pids,
-        pid_namespace=pid_namespace,
+        pid_namespace=False,
         log_resource=resource,
         shared_files=tuple(saved),
         tcp_established=tcp,

@@ -61,7 +61,6 @@ class N580Driver(SnapshotDriver):
     preference = 20
     summary = "pre-CUDA process template: captured after imports, initializes CUDA and loads weights after restore"
     weights_in_image = False
-    pid_namespace = False
     boundary = "template"
 
     def support(self, host: HostFacts) -> Support:
@@ -83,7 +82,7 @@ class N580Driver(SnapshotDriver):
     def checkpoint(self, root_pid: int, images: Path, *, unit: str, host: str, progress: Progress) -> UnitImage:
         # The template keeps running after the dump: capture then lets it go on
         # to serve once, to record the reply restores are validated against.
-        return criu_tree.dump(Criu.locate(), root_pid, images, unit=unit, host=host, driver=self.name, pid_namespace=False, progress=progress, leave_running=True)
+        return criu_tree.dump(Criu.locate(), root_pid, images, unit=unit, host=host, driver=self.name, progress=progress, leave_running=True)
 
     def resume(self, root_pid: int) -> None:
         try:
@@ -98,6 +97,15 @@ class N580Driver(SnapshotDriver):
         pid, handed = criu_tree.restore(Criu.locate(), unit, images, log_path=log_path, progress=progress, lazy=False)
         self.resume(pid)
         return RestoredUnit(pid, handed)
+
+
+    def capabilities(self, host: HostFacts) -> dict:
+        out = super().capabilities(host)
+        out["qualification"] = {
+            "qualified": "vLLM 0.26.0 on an NVIDIA H200, x86_64, driver 580.159.04 (docs/benchmarks.md); the boundary is after torch and transformers: importing vLLM itself opened the GPU",
+            "aarch64": "the intended use (DGX Spark, driver 580); not run here",
+        }
+        return out
 
 
 @hookimpl

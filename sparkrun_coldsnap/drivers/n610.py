@@ -6,13 +6,15 @@ allocator state) is small; the CUDA driver's checkpoint API moves it into host
 memory, and CRIU dumps the tree. Restore reverses it, then the engine
 hydrates its weights from the model files the capsule recorded.
 
-The tree runs in the host PID namespace (CUDA initialization failed inside a
-PID namespace on the qualification machine), so restore needs the captured
-PIDs free: admission checks and names any process holding one.
+The tree runs in the host PID namespace (see drivers/cpu.py for why), so
+restore needs the captured PIDs free: admission checks and names any process
+holding one.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +29,25 @@ from sparkrun_coldsnap.hostinfo import HostFacts
 from sparkrun_coldsnap.launch.local import kill_tree, tree_pids
 
 
-def pid_problems(pids: tuple[int, ...]) -> list[str]:
-    """Captured host PIDs that some process (even a zombie) holds now."""
-    out = []
-    for pid in pids:
-        try:
-            p = psutil.Process(pid)
-            out.append("captured PID %d is taken by %s (%s): restore needs it free; stop that process" % (pid, p.name(), p.status()))
-        except psutil.NoSuchProcess:
-            continue
-    return out
+def pid_problems(pids: tuple[int, ...], *, zombie_wait: float = 5.0) -> list[str]:
+    """Captured host PIDs that some process (even a zombie) holds now.
+
+    A zombie of a just-stopped workload is usually reaped within a second or
+    two by the host's init: it is given *zombie_wait* seconds before it counts.
+    """
+    deadline = time.monotonic() + zombie_wait
+    while True:
+        held = []
+        for pid in pids:
+            try:
+                p = psutil.Process(pid)
+                held.append((pid, p.name(), p.status()))
+            except psutil.NoSuchProcess:
+                continue
+        if not held or any(status != psutil.STATUS_ZOMBIE for _, _, status in held) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    return ["captured PID %d is taken by %s (%s): restore needs it free; stop that process" % held_pid for held_pid in held]
 
 
 class N610Driver(SnapshotDriver):
@@ -44,7 +55,6 @@ class N610Driver(SnapshotDriver):
     preference = 10
     summary = "initialized CUDA process: CUDA checkpoint API + CRIU, weights released before capture and hydrated after restore"
     weights_in_image = False
-    pid_namespace = False
     needs_release = True
 
     def support(self, host: HostFacts) -> Support:
@@ -74,7 +84,7 @@ class N610Driver(SnapshotDriver):
             progress("CUDA checkpoint of %d processes" % len(cuda))
             cuda_checkpoint.checkpoint_all(api, cuda)
             try:
-                image = criu_tree.dump(Criu.locate(), root_pid, images, unit=unit, host=host, driver=self.name, pid_namespace=False, progress=progress)
+                image = criu_tree.dump(Criu.locate(), root_pid, images, unit=unit, host=host, driver=self.name, progress=progress)
             except Exception:
                 cuda_checkpoint.restore_all(api, cuda)  # back to running: the workload stays as it was
                 raise
@@ -87,7 +97,11 @@ class N610Driver(SnapshotDriver):
         return pid_problems(unit.pids) + criu_tree.shared_file_problems(unit)
 
     def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None) -> RestoredUnit:
-        pid, _ = criu_tree.restore(Criu.locate(), unit, images, log_path=log_path, progress=progress, lazy=False)
+        criu = Criu.locate()
+        # Memory on demand here too when asked: the CUDA restore then faults in the host
+        # copy of the device state as it reads it.
+        lazy = os.environ.get("COLDSNAP_N610_LAZY_PAGES") == "1" and criu_tree.lazy_pages_supported(criu)
+        pid, handed = criu_tree.restore(criu, unit, images, log_path=log_path, progress=progress, lazy=lazy, owned_dir=owned_dir)
         api = cuda_checkpoint.HelperProcess(cuda_checkpoint.helper_python())
         try:
             pairs = cuda_checkpoint.gpu_pairs(unit.driver_data.get("gpu_uuids", ()), api.uuids())
@@ -98,11 +112,12 @@ class N610Driver(SnapshotDriver):
             raise
         finally:
             api.close()
-        return RestoredUnit(pid)
+        return RestoredUnit(pid, handed)
 
     def capabilities(self, host: HostFacts) -> dict[str, Any]:
         out = super().capabilities(host)
         out["qualification"] = {
+            "qualified": "vLLM 0.26.0 on an NVIDIA H200, x86_64, driver 580.159.04, CUDA 13.0, one GPU, custom all-reduce off (docs/benchmarks.md)",
             "x86_64_without_cuda_ipc": "driver >= %d" % nvidia.MIN_X86,
             "aarch64": "driver >= %d" % nvidia.MIN_ARM,
             "cuda_ipc": "needs driver >= %d with processes started under the driver's checkpoint job file; unqualified: no such driver was available" % nvidia.IPC_MIN,

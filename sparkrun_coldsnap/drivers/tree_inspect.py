@@ -126,6 +126,8 @@ def problems(root_pid: int, *, allowed_device_prefixes: tuple[str, ...] = ()) ->
                 if is_char:
                     found.append("%s fd %d: device %s that this driver cannot capture" % (_label(p), fd, target))
         for path in mapped_paths(p.pid):
+            if path == "/dev/zero (deleted)":
+                continue  # shared anonymous memory shows as a deleted /dev/zero mapping; CRIU saves it
             if path.startswith("/dev/") and not path.startswith(SHARED_MEMORY_DIRS + allowed_device_prefixes) and path not in HARMLESS_DEVICES:
                 found.append("%s maps device %s that this driver cannot capture" % (_label(p), path))
     sockets = tcp_sockets(root_pid)

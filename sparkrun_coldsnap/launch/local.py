@@ -1,12 +1,8 @@
 """Host-process launch units: an engine command run as its own process tree.
 
-The tree is laid out for CRIU. ``unshare --pid --fork setsid`` puts the
-engine in a PID namespace of its own as that namespace's init and session
-leader, so a restore recreates the same PIDs inside a fresh namespace and
-never collides with host PIDs (a zombie holding a captured PID is enough to
-make a host-namespace restore fail). ``--kill-child`` is deliberately not
-used: it arms a parent-death signal that CRIU would restore too, killing the
-restored tree the moment CRIU exits.
+The engine leads its own session and process group (what sparkrun's local
+executor expects of a workload it tracks), with no parent-death signal armed
+(CRIU would restore it too and kill the restored tree when CRIU exits).
 
 Output goes to a log file opened in append mode; at restore the driver hands
 CRIU a fresh log (``--inherit-fd``) because CRIU refuses a file whose size
@@ -31,12 +27,11 @@ from sparkrun_coldsnap.errors import EngineError, ToolError
 
 @dataclass
 class StartedUnit:
-    """A unit started by this process: the root of the engine tree and its launcher."""
+    """A unit started by this process (or restored): the root of the engine tree."""
 
     root_pid: int
     launcher: subprocess.Popen | None
     log_path: Path
-    pid_namespace: bool
 
     def alive(self) -> bool:
         try:
@@ -68,36 +63,12 @@ class StartedUnit:
                 self.launcher.wait(timeout=timeout)
 
 
-def _find_child(pid: int, timeout: float = 10.0) -> int:
-    """The namespace init forked by ``unshare --fork`` (its only child)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            kids = psutil.Process(pid).children()
-        except psutil.NoSuchProcess:
-            break
-        if kids:
-            return kids[0].pid
-        time.sleep(0.01)
-    raise ToolError("unshare (pid %d) did not start the engine within %.0f s" % (pid, timeout))
-
-
-def start_unit(
-    command: str,
-    *,
-    env: Mapping[str, str],
-    log_path: Path,
-    pid_namespace: bool = True,
-    cwd: str | None = None,
-) -> StartedUnit:
+def start_unit(command: str, *, env: Mapping[str, str], log_path: Path, cwd: str | None = None) -> StartedUnit:
     """Start *command* (a shell command line) detached, output appended to *log_path*."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    # exec: the engine itself becomes the session leader / namespace init,
-    # not a shell waiting on it. Without a namespace, the new session Popen
-    # creates already makes the engine lead its own group, as sparkrun expects.
-    shell = ["bash", "-c", "exec " + command]
-    argv = ["unshare", "--pid", "--fork", "setsid", *shell] if pid_namespace else shell
+    # exec: the engine itself leads the session Popen creates, not a shell waiting on it.
+    argv = ["bash", "-c", "exec " + command]
     with open(log_path, "ab", buffering=0) as log:
         try:
             launcher = subprocess.Popen(
@@ -113,9 +84,8 @@ def start_unit(
                 start_new_session=True,
             )
         except FileNotFoundError as err:
-            raise ToolError("cannot start the engine: %s not found (util-linux provides unshare and setsid)" % argv[0]) from err
-    root = _find_child(launcher.pid) if pid_namespace else launcher.pid
-    return StartedUnit(root, launcher, log_path, pid_namespace)
+            raise ToolError("cannot start the engine: %s not found" % argv[0]) from err
+    return StartedUnit(launcher.pid, launcher, log_path)
 
 
 def tree_pids(root_pid: int) -> list[int]:
