@@ -11,22 +11,24 @@ RECIPE=${1:-recipes/tiny-vllm-cpu.yaml}
 export COLDSNAP_STORE="$PWD/.work/demo-store"
 rm -rf "$COLDSNAP_STORE"
 SR=.venv/bin/sparkrun
+# The local cluster the set-up made (localhost, local executor), whatever the default is.
+WHERE="--cluster coldsnap-local"
 drop_caches() { sync; echo 3 > /proc/sys/vm/drop_caches; }
 
-$SR stop "$RECIPE" >/dev/null 2>&1 || true
+$SR stop "$RECIPE" $WHERE >/dev/null 2>&1 || true
 echo; echo "=== 1/3 vanilla start: no capsule yet, so the plugin starts the engine the ordinary way"
 drop_caches
-$SR run "$RECIPE" --no-follow
-$SR stop "$RECIPE"
+$SR run "$RECIPE" $WHERE --no-follow
+$SR stop "$RECIPE" $WHERE
 
 echo; echo "=== 2/3 capture: start, validate with a real request, checkpoint into a capsule"
-$SR coldsnap capture "$RECIPE"
+$SR coldsnap capture "$RECIPE" $WHERE
 
 echo; echo "=== 3/3 restore through sparkrun run"
 drop_caches
-$SR run "$RECIPE" --no-follow
-$SR status
-$SR stop "$RECIPE"
+$SR run "$RECIPE" $WHERE --no-follow
+$SR status $WHERE
+$SR stop "$RECIPE" $WHERE
 
 .venv/bin/python - "$COLDSNAP_STORE" <<'PY'
 import glob, json, sys

@@ -360,6 +360,9 @@ def identity_differences(captured: Workload, requested: Workload) -> list[str]:
 def admission_problems(capsule: Capsule, req: RestoreRequest, r: Resolved) -> list[str]:
     cfg = capsule.config
     problems = ["recipe changed since capture: %s" % d for d in identity_differences(cfg.workload, req.workload)]
+    wanted = req.workload.weights
+    if cfg.weights.location == "external" and wanted not in ("auto", *r.adapter.gpu_weight_paths):
+        problems.append("weights: %s is not a weight path of %s (it has: %s)" % (wanted, r.adapter.name, ", ".join(r.adapter.gpu_weight_paths)))
     criu = Criu.locate()
     problems += [str(m) for m in compare(cfg.fingerprint, fingerprint(req.workload, r, criu.version))]
     for unit in cfg.units:
@@ -451,7 +454,8 @@ def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Pro
             rb.weights = Weights(path="engine-load")
         elif cap.config.weights.location == "external":
             with rb.phase("hydrate"):
-                mode = "recovery" if w.weights in ("auto", "recovery") else w.weights
+                # auto prefers native where the adapter has it, else recovery.
+                mode = ("native" if "native" in r.adapter.gpu_weight_paths else "recovery") if w.weights == "auto" else w.weights
                 h = r.adapter.hydrate(endpoint, path=mode, model_dir=w.model.path or "")
             rb.weights = Weights(path=h.path, seconds=round(h.seconds, 4), files=len(cap.config.weights.files), bytes=sum(f.size for f in cap.config.weights.files))
         else:

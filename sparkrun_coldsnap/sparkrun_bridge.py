@@ -443,11 +443,18 @@ def pull_capsule(block: ColdsnapBlock, req: RestoreRequest, store: CapsuleStore)
 
 
 def describe_plan(req: RestoreRequest, store: CapsuleStore) -> str:
+    """What ``sparkrun run`` would do, admission included (it only reads)."""
+    from sparkrun_coldsnap.capsule.capsule import open_capsule
+
     try:
-        entry = store.resolve(req.capsule.ref)
-        what = "restore capsule %s (%s) from %s" % (req.capsule.ref, entry.descriptor.digest[:19], store.root)
-    except ColdsnapError:
+        cap = open_capsule(store, req.capsule.ref)
+        problems = controller.admission_problems(cap, req, controller.resolve(req.workload))
+        verdict = "admission would refuse it: %s" % "; ".join(problems) if problems else "admission passes"
+        what = "restore capsule %s (%s) from %s; %s" % (req.capsule.ref, cap.digest[:19], store.root, verdict)
+    except NotFoundError:
         what = "no capsule %s in %s: %s" % (req.capsule.ref, store.root, "start vanilla" if req.on_missing == "vanilla" else "fail")
+    except ColdsnapError as err:
+        what = "not restore: %s" % err
     w = req.workload
     return "dry run: would %s; engine %s, driver %s, port %d, workload %s; nothing was changed" % (what, w.engine, w.driver, w.launch.port, req.workload_name)
 

