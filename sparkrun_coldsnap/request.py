@@ -112,9 +112,10 @@ class CapsuleName(Strict):
         return "%s:%s" % (self.name, self.tag)
 
 
-class CaptureRequest(Strict):
+class _WorkloadRequest(Strict):
+    """What a capture and a restore both name: the workload, how to validate it, which capsule."""
+
     format: Literal[1] = REQUEST_FORMAT
-    operation: Literal["capture"] = "capture"
     workload: Workload
     validation: ValidationSpec
     capsule: CapsuleName
@@ -124,22 +125,18 @@ class CaptureRequest(Strict):
         return request_digest(self)
 
 
-class RestoreRequest(Strict):
-    format: Literal[1] = REQUEST_FORMAT
+class CaptureRequest(_WorkloadRequest):
+    operation: Literal["capture"] = "capture"
+
+
+class RestoreRequest(_WorkloadRequest):
     operation: Literal["restore"] = "restore"
-    workload: Workload
-    validation: ValidationSpec
-    capsule: CapsuleName
     on_missing: Literal["vanilla", "fail"] = "vanilla"
     workload_name: str = Field(description="Name sparkrun tracks the running workload by (its executor's record name).")
     workload_labels: dict[str, str] = Field(default_factory=dict, description="Container labels sparkrun's executor gives its workloads.")
-    ready_timeout_seconds: float = Field(900.0, gt=0)
-
-    def digest(self) -> str:
-        return request_digest(self)
 
 
-def request_digest(request: CaptureRequest | RestoreRequest) -> str:
+def request_digest(request: _WorkloadRequest) -> str:
     """sha256 of the canonical JSON of *request*, secrets redacted (the digest may be published)."""
     redacted = request.model_copy(update={"workload": request.workload.redacted()})
     return sha256_bytes(canonical_json(redacted.model_dump(mode="json")))

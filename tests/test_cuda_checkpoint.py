@@ -107,8 +107,39 @@ def test_a_restore_failure_names_the_process_and_its_state():
 
 def test_gpu_remapping_only_when_the_gpus_differ():
     a, b = "GPU-a", "GPU-b"
-    assert cc.gpu_pairs([a], [a, b]) == []
-    assert cc.gpu_pairs([a], [b, a]) == [(a, b)]
+    assert cc.gpu_pairs([a], [a, b], [a, b], [a, b]) == []
+    assert cc.gpu_pairs([a, b], [a, b], [a, b], [a, b]) == []
+
+
+def test_moving_onto_another_gpu_maps_every_gpu_of_the_capture_host():
+    a, b, c = "GPU-a", "GPU-b", "GPU-c"
+    # Captured on a alone (CUDA_VISIBLE_DEVICES=0), restored with CUDA_VISIBLE_DEVICES=1.
+    assert cc.gpu_pairs([a], [a, b], [a, b], [b]) == [(a, b), (b, a)]
+    # Captured seeing both, restored with them swapped.
+    assert cc.gpu_pairs([a, b], [a, b], [a, b], [b, a]) == [(a, b), (b, a)]
+    # Another host: the workload's GPU lands on the first one visible, the rest follow in order.
+    x, y, z = "GPU-x", "GPU-y", "GPU-z"
+    assert cc.gpu_pairs([b], [a, b, c], [x, y, z], [x, y, z]) == [(b, x), (a, y), (c, z)]
+
+
+def test_restoring_onto_fewer_gpus_than_captured_is_refused(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    with pytest.raises(RestoreError, match=r"used 2 GPUs but only 1 are visible here \(CUDA_VISIBLE_DEVICES=1\)"):
+        cc.gpu_pairs(["GPU-a", "GPU-b"], ["GPU-a", "GPU-b"], ["GPU-a", "GPU-b"], ["GPU-b"])
+    with pytest.raises(RestoreError, match="captured on a host with 2 GPUs and this one has 1"):
+        cc.gpu_pairs(["GPU-a"], ["GPU-a", "GPU-b"], ["GPU-x"], ["GPU-x"])
+
+
+def test_visible_gpus_follow_cuda_visible_devices():
+    every = ["GPU-aaaa-1", "GPU-bbbb-2", "GPU-cccc-3"]
+    assert cc.visible_uuids(None, every) == every
+    assert cc.visible_uuids("1", every) == ["GPU-bbbb-2"]
+    assert cc.visible_uuids("2,0", every) == ["GPU-cccc-3", "GPU-aaaa-1"]
+    assert cc.visible_uuids("GPU-bbbb", every) == ["GPU-bbbb-2"]
+    assert cc.visible_uuids("cccc", every) == ["GPU-cccc-3"]
+    # Like CUDA: the list ends at the first entry that names no GPU.
+    assert cc.visible_uuids("0,7,1", every) == ["GPU-aaaa-1"]
+    assert cc.visible_uuids("", every) == []
 
 
 def host(driver, arch="x86_64"):

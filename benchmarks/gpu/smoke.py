@@ -1,12 +1,15 @@
 """GPU smoke test of the n610 driver: CUDA checkpoint API + CRIU on a small CUDA server.
 
     python3 benchmarks/gpu/smoke.py --out OUT
-Writes smoke.json (each step, its seconds, and the checksums) to OUT.
+    python3 benchmarks/gpu/smoke.py --out OUT --capture-gpus 0 --restore-gpus 1   # onto the other GPU
+Writes smoke.json (each step, its seconds, the checksums, and which GPU held the server
+before and after) to OUT.
 """
 
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,7 +23,7 @@ from sparkrun_coldsnap.drivers import cuda_checkpoint  # noqa: E402
 from sparkrun_coldsnap.drivers.n610 import N610Driver  # noqa: E402
 from sparkrun_coldsnap.hostinfo import host_facts  # noqa: E402
 from sparkrun_coldsnap.launch.iouring import io_uring_disabled  # noqa: E402
-from sparkrun_coldsnap.launch.local import kill_tree, start_unit  # noqa: E402
+from sparkrun_coldsnap.launch.local import kill_tree, start_unit, tree_pids  # noqa: E402
 
 
 def ask(port: int, timeout: float = 120) -> str:
@@ -34,10 +37,22 @@ def ask(port: int, timeout: float = 120) -> str:
             time.sleep(0.1)
 
 
+def gpus_of(root_pid: int) -> list[str]:
+    """The GPUs (UUIDs) on which the tree under *root_pid* holds memory, as the driver reports it."""
+    pids = {str(p) for p in tree_pids(root_pid)}
+    out = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"], capture_output=True, text=True, check=False
+    ).stdout
+    fields = [[f.strip() for f in line.split(",")] for line in out.splitlines()]
+    return sorted({f[1] for f in fields if len(f) == 2 and f[0] in pids})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--capture-gpus", help="CUDA_VISIBLE_DEVICES for the server at capture")
+    ap.add_argument("--restore-gpus", help="CUDA_VISIBLE_DEVICES for the restoring side: the GPUs the server comes back on")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict = {"host": host_facts().model_dump()}
@@ -48,10 +63,13 @@ def main() -> None:
     t = time.monotonic()
     with io_uring_disabled():
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the machine's own torch, not the plugin's target
+        if args.capture_gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = args.capture_gpus
         unit = start_unit("%s %s %d" % (sys.executable, ROOT / "benchmarks/gpu/cuda_workload.py", args.port), env=env, log_path=work / "w.log")
         before = ask(args.port)
     report["start_seconds"] = time.monotonic() - t
     report["checksum_before"] = before
+    report["gpus_before"] = gpus_of(unit.root_pid)
     try:
         report["precheck"] = driver.precheck(unit.root_pid)
         t = time.monotonic()
@@ -59,14 +77,19 @@ def main() -> None:
         report["checkpoint_seconds"] = time.monotonic() - t
         report["image_bytes"] = image.image_bytes
         report["cuda_pids"] = image.driver_data.get("cuda_pids")
+        report["gpu_uuids_captured"] = image.driver_data.get("gpu_uuids")
+        report["host_gpu_uuids_captured"] = image.driver_data.get("host_gpu_uuids")
         unit.reap()
         report["admission"] = driver.admission(image)
+        if args.restore_gpus is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = args.restore_gpus  # the restoring side's choice, as a user would set it
         t = time.monotonic()
         restored = driver.restore(image, work / "images", log_path=work / "r.log", progress=print)
         report["restore_seconds"] = time.monotonic() - t
         after = ask(args.port)
         report["reply_seconds_after_restore"] = time.monotonic() - t
         report["checksum_after"] = after
+        report["gpus_after"] = gpus_of(restored.root_pid)
         report["passed"] = after == before
         kill_tree(restored.root_pid)
     except Exception as err:  # noqa: BLE001 - the report says what broke

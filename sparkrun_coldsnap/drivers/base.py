@@ -51,7 +51,10 @@ class UnitImage(Strict):
     tcp_established: bool = False
     image_bytes: int = 0
     criu_version: str | None = None
-    driver_data: dict[str, Any] = Field(default_factory=dict)
+    driver_data: dict[str, Any] = Field(
+        default_factory=dict,
+        description="What the driver needs to restore the unit; n610: cuda_pids, gpu_uuids (the GPUs the workload used), host_gpu_uuids (every GPU of the capture host), driver_version.",
+    )
 
 
 class SnapshotDriver(ABC):

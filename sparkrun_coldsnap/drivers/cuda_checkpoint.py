@@ -43,9 +43,11 @@ class CudaCallError(RuntimeError):
 class HelperProcess:
     """CheckpointApi over the helper's JSON-lines protocol."""
 
-    def __init__(self, python: str) -> None:
+    def __init__(self, python: str, *, env: dict[str, str] | None = None) -> None:
         try:
-            self.proc = subprocess.Popen([python, str(HELPER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+            self.proc = subprocess.Popen(
+                [python, str(HELPER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env
+            )
         except FileNotFoundError as err:
             raise ToolError("cannot start the CUDA checkpoint helper: %s not found" % python) from err
         self.driver_version = int(self._call({"op": "init"})["driver"])
@@ -178,8 +180,54 @@ def _state(api: CheckpointApi, pid: int) -> str:
         return "unknown: %s" % err
 
 
-def gpu_pairs(captured: Sequence[str], here: Sequence[str]) -> list[tuple[str, str]]:
-    """Map captured GPUs to this host's by position when they differ (same model, checked at admission)."""
-    if list(captured) == list(here[: len(captured)]):
+def visible_uuids(spec: str | None, uuids: Sequence[str]) -> list[str]:
+    """The GPUs a process sees under ``CUDA_VISIBLE_DEVICES=spec``, as CUDA reads it.
+
+    Entries are indices or (prefixes of) UUIDs; like CUDA, the list ends at the first
+    entry that names no GPU. ``uuids`` is every GPU in CUDA's order.
+    """
+    if spec is None:
+        return list(uuids)
+    out: list[str] = []
+    for item in spec.split(","):
+        item = item.strip()
+        if item.isdigit():
+            if int(item) >= len(uuids):
+                break
+            out.append(uuids[int(item)])
+            continue
+        named = [u for u in uuids if item and (u.startswith(item) or u.startswith("GPU-" + item))]
+        if len(named) != 1:
+            break
+        out.append(named[0])
+    return out
+
+
+def helper_env_without_visibility() -> dict[str, str]:
+    """The environment for a helper that must see every GPU, whatever the plugin was started with."""
+    return {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+
+
+def gpu_pairs(used: Sequence[str], captured_all: Sequence[str], here_all: Sequence[str], targets: Sequence[str]) -> list[tuple[str, str]]:
+    """The GPU remapping for a restore: the workload's GPUs onto ``targets``, the rest onto the rest.
+
+    The driver refuses a remapping (CUDA_ERROR_INVALID_VALUE) that does not name every GPU
+    of the capture host, even those the process's CUDA_VISIBLE_DEVICES hid, so the pairs
+    are a whole one-to-one mapping of that host's GPUs onto this one's. ``targets`` is what
+    this side's CUDA_VISIBLE_DEVICES shows, in its order; no pairs when nothing moves.
+    """
+    if len(targets) < len(used):
+        raise RestoreError(
+            "the capsule's workload used %d GPUs but only %d are visible here (CUDA_VISIBLE_DEVICES=%s): make as many visible"
+            % (len(used), len(targets), os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
+        )
+    if len(here_all) < len(captured_all):
+        raise RestoreError("the capsule was captured on a host with %d GPUs and this one has %d: restore it on a host with as many" % (len(captured_all), len(here_all)))
+    chosen = list(targets[: len(used)])
+    pairs = list(zip(used, chosen))
+    rest_old = [u for u in captured_all if u not in used]
+    rest_new = [u for u in here_all if u not in chosen]
+    pairs += list(zip(rest_old, rest_new))
+    if all(old == new for old, new in pairs):
         return []
-    return list(zip(captured, here))
+    return pairs

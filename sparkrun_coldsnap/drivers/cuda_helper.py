@@ -20,6 +20,7 @@ environment, which does not have the plugin installed.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import sys
 import uuid as uuidlib
@@ -80,6 +81,12 @@ class Helper:
         _check(self.d.cuCheckpointProcessCheckpoint(int(msg["pid"]), None))
         return {}
 
+    def _uuid(self, text):
+        # CUuuid exposes its 16 bytes read-only: write them through the struct's address.
+        u = self.d.CUuuid()
+        ctypes.memmove(u.getPtr(), _uuid_bytes(text), 16)
+        return u
+
     def restore(self, msg):
         pairs = msg.get("pairs") or []
         args = None
@@ -88,8 +95,10 @@ class Helper:
             gpu_pairs = []
             for old, new in pairs:
                 p = self.d.CUcheckpointGpuPair()
-                p.oldUuid.bytes = _uuid_bytes(old)
-                p.newUuid.bytes = _uuid_bytes(new)
+                p.oldUuid = self._uuid(old)
+                p.newUuid = self._uuid(new)
+                if bytes(p.oldUuid.bytes) != _uuid_bytes(old) or bytes(p.newUuid.bytes) != _uuid_bytes(new):
+                    raise RuntimeError("cuda-bindings did not take the GPU pair %s -> %s" % (old, new))
                 gpu_pairs.append(p)
             args.gpuPairs = gpu_pairs
             args.gpuPairsCount = len(gpu_pairs)

@@ -78,9 +78,12 @@ class N610Driver(SnapshotDriver):
         cuda = cuda_checkpoint.cuda_processes(pids)
         if not cuda:
             raise CaptureError("no process of the workload holds a CUDA context: is the engine running on the GPU?")
-        api = cuda_checkpoint.HelperProcess(cuda_checkpoint.helper_python())
+        api = cuda_checkpoint.HelperProcess(cuda_checkpoint.helper_python(), env=cuda_checkpoint.helper_env_without_visibility())
         try:
-            uuids = api.uuids()
+            # Record the GPUs the workload itself uses (its CUDA_VISIBLE_DEVICES over all of them),
+            # so a restore can put it back on those or remap it onto others.
+            every = api.uuids()
+            uuids = cuda_checkpoint.visible_uuids(psutil.Process(root_pid).environ().get("CUDA_VISIBLE_DEVICES"), every)
             progress("CUDA checkpoint of %d processes" % len(cuda))
             cuda_checkpoint.checkpoint_all(api, cuda)
             try:
@@ -90,7 +93,7 @@ class N610Driver(SnapshotDriver):
                 raise
         finally:
             api.close()
-        data: dict[str, Any] = {"cuda_pids": cuda, "gpu_uuids": uuids, "driver_version": api.driver_version}
+        data: dict[str, Any] = {"cuda_pids": cuda, "gpu_uuids": uuids, "host_gpu_uuids": every, "driver_version": api.driver_version}
         return image.model_copy(update={"driver_data": data})
 
     def admission(self, unit: UnitImage) -> list[str]:
@@ -102,9 +105,18 @@ class N610Driver(SnapshotDriver):
         # copy of the device state as it reads it.
         lazy = os.environ.get("COLDSNAP_N610_LAZY_PAGES") == "1" and criu_tree.lazy_pages_supported(criu)
         pid, handed = criu_tree.restore(criu, unit, images, log_path=log_path, progress=progress, lazy=lazy, owned_dir=owned_dir)
-        api = cuda_checkpoint.HelperProcess(cuda_checkpoint.helper_python())
+        # The helper sees every GPU (the driver checks the captured UUIDs against the caller's);
+        # this side's CUDA_VISIBLE_DEVICES picks the GPUs the workload comes back on.
+        api = cuda_checkpoint.HelperProcess(cuda_checkpoint.helper_python(), env=cuda_checkpoint.helper_env_without_visibility())
         try:
-            pairs = cuda_checkpoint.gpu_pairs(unit.driver_data.get("gpu_uuids", ()), api.uuids())
+            here = api.uuids()
+            used = unit.driver_data.get("gpu_uuids", ())
+            pairs = cuda_checkpoint.gpu_pairs(
+                used,
+                unit.driver_data.get("host_gpu_uuids", used),
+                here,
+                cuda_checkpoint.visible_uuids(os.environ.get("CUDA_VISIBLE_DEVICES"), here),
+            )
             progress("CUDA restore of %d processes%s" % (len(unit.driver_data.get("cuda_pids", ())), " onto other GPUs" if pairs else ""))
             cuda_checkpoint.restore_all(api, unit.driver_data.get("cuda_pids", ()), pairs)
         except BaseException:
@@ -117,7 +129,7 @@ class N610Driver(SnapshotDriver):
     def capabilities(self, host: HostFacts) -> dict[str, Any]:
         out = super().capabilities(host)
         out["qualification"] = {
-            "qualified": "vLLM 0.26.0 on an NVIDIA H200, x86_64, driver 580.159.04, CUDA 13.0, one GPU, custom all-reduce off (docs/benchmarks.md)",
+            "qualified": "vLLM 0.26.0 on an NVIDIA H200, x86_64, driver 580.159.04, CUDA 13.0, one GPU, custom all-reduce off; restore onto the other GPU of two H200s (docs/benchmarks.md)",
             "x86_64_without_cuda_ipc": "driver >= %d" % nvidia.MIN_X86,
             "aarch64": "driver >= %d" % nvidia.MIN_ARM,
             "cuda_ipc": "needs driver >= %d with processes started under the driver's checkpoint job file; unqualified: no such driver was available" % nvidia.IPC_MIN,
