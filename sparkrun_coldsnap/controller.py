@@ -14,13 +14,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
-from sparkrun_coldsnap import plugins, weights
+from sparkrun_coldsnap import native_payload, plugins, weight_paths, weights
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
 from sparkrun_coldsnap.capsule import media
 from sparkrun_coldsnap.capsule.capsule import Capsule
-from sparkrun_coldsnap.capsule.config import CapsuleConfig, CapturedValidation, EngineRecord, WeightsRecord
+from sparkrun_coldsnap.capsule.config import CapsuleConfig, CapturedValidation, EngineRecord, NativePayload, WeightsRecord
 from sparkrun_coldsnap.capsule.pack import pack_unit, unpack_layer
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.compat import Fingerprint, TopologyFacts, compare
@@ -42,8 +42,10 @@ from sparkrun_coldsnap.request import CaptureRequest, RestoreRequest, Workload
 from sparkrun_coldsnap import paths
 
 # Fields of the workload a capsule is not bound to: where the model files and
-# caches sit and what the hosts are called may differ between capture and restore.
+# caches sit and what the hosts are called may differ between capture and restore,
+# and the weight path is chosen at each restore.
 _PLACE_ONLY = {
+    ("weights",),
     ("model", "path"),
     ("topology", "hosts"),
     ("launch", "env", "HF_HOME"),
@@ -184,7 +186,7 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, base_env: Mapping[str, 
             store.init()
         with rb.phase("model_digests"):
             model_files = weights.record(Path(w.model.path)) if w.model.path else ()
-        command, env = r.adapter.prepare_launch(w.launch.command, launch_env(w, r, base_env), release_weights=r.driver.needs_release)
+        command, env = r.adapter.prepare_launch(w.launch.command, launch_env(w, r, base_env), release_weights=r.driver.needs_release, native_weights=weight_paths.writes_native(w, r.driver, r.adapter))
         if r.driver.boundary == "template":
             preload = tuple(m for m in os.environ.get("COLDSNAP_TEMPLATE_PRELOAD", "").split(",") if m) or r.adapter.template_preload
             command = template_command(command, module_for_script=r.adapter.console_scripts, preload=preload)
@@ -203,8 +205,9 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, base_env: Mapping[str, 
             if r.driver.boundary == "template":
                 image, validation = _capture_template(r, req, unit, endpoint, images, log_path, rb, progress, t0)
                 unit.stop(grace=10.0)
+                native = None
             else:
-                image, validation = _capture_serving(r, req, unit, endpoint, images, log_path, rb, progress, t0)
+                image, validation, native = _capture_serving(r, req, unit, endpoint, images, log_path, rb, progress, t0)
                 if w.launch.executor == "docker":
                     unit.remove()  # checkpointed and stopped; its layer is in the images now
             running = None
@@ -223,7 +226,9 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, base_env: Mapping[str, 
                 validation=CapturedValidation(
                     prompt=req.validation.prompt, max_tokens=req.validation.max_tokens, reply=validation.reply or "", request_ttft_seconds=validation.request_ttft_seconds
                 ),
-                weights=WeightsRecord(location="in-image" if r.driver.weights_in_image else "external", model_id=w.model.id, revision=w.model.revision, files=model_files),
+                weights=WeightsRecord(
+                    location="in-image" if r.driver.weights_in_image else "external", model_id=w.model.id, revision=w.model.revision, files=model_files, native=native
+                ),
                 units=(image,),
             )
             with rb.phase("publish"):
@@ -266,10 +271,26 @@ def _precheck(r: Resolved, root_pid: int, rb: ReceiptBuilder) -> None:
         raise CaptureError("cannot capture the workload: %s" % "; ".join(problems))
 
 
-def _capture_serving(r, req, unit, endpoint, images, log_path, rb, progress, t0) -> tuple[UnitImage, Validation]:
-    """Validate the serving engine, release its device memory, then checkpoint it (the tree ends)."""
+def _export_native(r: Resolved, req: CaptureRequest, endpoint: Endpoint, rb: ReceiptBuilder, progress: Progress) -> NativePayload | None:
+    try:
+        with rb.phase("native_export"), progress.waiting("writing the native weight payload"):
+            record, reports = native_payload.export(r.adapter, endpoint)
+    except ColdsnapError as err:
+        if req.workload.weights == "native":
+            raise CaptureError("writing the native weight payload failed: %s; capture with weights: auto or recovery" % err) from err
+        rb.details["native_export_error"] = str(err)  # auto: restores take the recovery path
+        progress.note("no native weight payload (%s): restores will use recovery" % err)
+        return None
+    rb.details["native_export"] = list(reports)
+    return record
+
+
+def _capture_serving(r, req, unit, endpoint, images, log_path, rb, progress, t0) -> tuple[UnitImage, Validation, NativePayload | None]:
+    """Validate the serving engine, write its native weights, release its device memory,
+    then checkpoint it (the tree ends)."""
     _ready(r, endpoint, unit, log_path, rb, progress, req.ready_timeout_seconds)
     validation = _validated(r, endpoint, req, rb, progress, t0)
+    native = _export_native(r, req, endpoint, rb, progress) if weight_paths.writes_native(req.workload, r.driver, r.adapter) else None
     if r.driver.needs_release:
         with rb.phase("release_memory"):
             r.adapter.release_memory(endpoint)
@@ -280,7 +301,7 @@ def _capture_serving(r, req, unit, endpoint, images, log_path, rb, progress, t0)
             image = r.driver.checkpoint_container(unit, images, unit_name=unit_def.name, host=unit_def.host, spec=unit.spec, progress=lambda m: tick(0, m))
         else:
             image = r.driver.checkpoint(unit.root_pid, images, unit=unit_def.name, host=unit_def.host, progress=lambda m: tick(0, m))
-    return image, validation
+    return image, validation, native
 
 
 def _capture_template(r, req, unit, endpoint, images, log_path, rb, progress, t0) -> tuple[UnitImage, Validation]:
@@ -320,6 +341,9 @@ class PreparedRestore:
     resolved: Resolved
     receipt: ReceiptBuilder
     prepare_seconds: float = 0.0
+    weights: weight_paths.WeightChoice | None = None
+    #: what the driver started ahead of the restore (its warm_up), owned until activation
+    warm: Any = None
     #: for container capsules: the new container, created and loaded, not started
     container: docker_unit.ContainerUnit | None = None
     _cleaned: bool = field(default=False, repr=False)
@@ -329,6 +353,9 @@ class PreparedRestore:
         self._cleaned = True
 
     def cleanup(self) -> None:
+        if self.warm is not None:
+            self.warm.close()
+            self.warm = None
         if not self._cleaned:
             shutil.rmtree(self.staging, ignore_errors=True)
             self._cleaned = True
@@ -357,12 +384,10 @@ def identity_differences(captured: Workload, requested: Workload) -> list[str]:
     return out
 
 
-def admission_problems(capsule: Capsule, req: RestoreRequest, r: Resolved) -> list[str]:
+def admission(capsule: Capsule, req: RestoreRequest, r: Resolved) -> tuple[list[str], weight_paths.WeightChoice | None]:
+    """What refuses this restore here (empty: nothing), and how its weights would come back."""
     cfg = capsule.config
     problems = ["recipe changed since capture: %s" % d for d in identity_differences(cfg.workload, req.workload)]
-    wanted = req.workload.weights
-    if cfg.weights.location == "external" and wanted not in ("auto", *r.adapter.gpu_weight_paths):
-        problems.append("weights: %s is not a weight path of %s (it has: %s)" % (wanted, r.adapter.name, ", ".join(r.adapter.gpu_weight_paths)))
     criu = Criu.locate()
     problems += [str(m) for m in compare(cfg.fingerprint, fingerprint(req.workload, r, criu.version))]
     for unit in cfg.units:
@@ -372,7 +397,11 @@ def admission_problems(capsule: Capsule, req: RestoreRequest, r: Resolved) -> li
             problems.append("the model directory of %s is unknown on this host: download revision %s" % (cfg.weights.model_id, cfg.weights.revision))
         else:
             problems += weights.verify(Path(req.workload.model.path), cfg.weights.files)
-    return problems
+    choice = None
+    if cfg.weights.location == "external" and r.driver.boundary != "template":
+        choice = weight_paths.choose(cfg, req.workload.weights, r.adapter)
+        problems += [choice.problem] if choice.problem else []
+    return problems, choice
 
 
 def prepare_restore(req: RestoreRequest, *, store: CapsuleStore, progress: Progress = QUIET) -> PreparedRestore:
@@ -389,7 +418,7 @@ def prepare_restore(req: RestoreRequest, *, store: CapsuleStore, progress: Progr
             r = resolve(req.workload)
             if cap.config.driver != r.driver.name:
                 raise CompatibilityError("capsule %s was captured with driver %s, the recipe asks for %s" % (req.capsule.ref, cap.config.driver, r.driver.name))
-            problems = admission_problems(cap, req, r)
+            problems, choice = admission(cap, req, r)
             if problems:
                 raise CompatibilityError("admission refused for capsule %s: %s" % (req.capsule.ref, "; ".join(problems)))
         total = sum(d.size for d in cap.layers)
@@ -398,7 +427,7 @@ def prepare_restore(req: RestoreRequest, *, store: CapsuleStore, progress: Progr
         with rb.phase("prepare.stage"), progress.transfer("verifying and unpacking capsule %s" % req.capsule.ref, total) as tick:
             for d in cap.layers:
                 unpack_layer(store, d, staging / "units", tick=tick)
-        prepared = PreparedRestore(req, cap, staging, r, rb)
+        prepared = PreparedRestore(req, cap, staging, r, rb, weights=choice)
         unit = cap.config.units[0]
         if "container" in unit.driver_data:
             with rb.phase("prepare.container"):
@@ -406,6 +435,9 @@ def prepare_restore(req: RestoreRequest, *, store: CapsuleStore, progress: Progr
                 temp = "coldsnap-restore-%s-%s" % (req.capsule.name, os.path.basename(staging)[-8:].lower())
                 prepared.container = r.driver.prepare_container(unit, staging / "units" / unit.name, spec, temp)
             shutil.rmtree(staging, ignore_errors=True)  # the container holds its own copy now
+        else:
+            with rb.phase("prepare.warm_up"):
+                prepared.warm = r.driver.warm_up(unit)
         prepared.prepare_seconds = time.monotonic() - t
         return prepared
     except BaseException as err:
@@ -441,7 +473,8 @@ def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Pro
                 prepared.container = None
                 root_pid = running.root_pid
             else:
-                restored = r.driver.restore(unit, prepared.staging / "units" / unit.name, log_path=log_path, progress=progress.step, owned_dir=prepared.staging)
+                warm, prepared.warm = prepared.warm, None
+                restored = r.driver.restore(unit, prepared.staging / "units" / unit.name, log_path=log_path, progress=progress.step, owned_dir=prepared.staging, warm=warm)
                 root_pid = restored.root_pid
                 running = StartedUnit(root_pid, None, log_path)
                 if restored.images_handed_over:
@@ -452,12 +485,14 @@ def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Pro
             with rb.phase("engine_init"), progress.waiting("engine initializing after the template boundary"):
                 r.adapter.wait_ready(endpoint, alive=running.alive, timeout=req.ready_timeout_seconds)
             rb.weights = Weights(path="engine-load")
-        elif cap.config.weights.location == "external":
-            with rb.phase("hydrate"):
-                # auto prefers native where the adapter has it, else recovery.
-                mode = ("native" if "native" in r.adapter.gpu_weight_paths else "recovery") if w.weights == "auto" else w.weights
-                h = r.adapter.hydrate(endpoint, path=mode, model_dir=w.model.path or "")
-            rb.weights = Weights(path=h.path, seconds=round(h.seconds, 4), files=len(cap.config.weights.files), bytes=sum(f.size for f in cap.config.weights.files))
+        elif prepared.weights is not None:
+            choice = prepared.weights
+            with rb.phase("hydrate"), progress.waiting("hydrating weights (%s)" % choice.path):
+                h = r.adapter.hydrate(endpoint, path=choice.path, model_dir=w.model.path or "", native_dir=str(choice.native_dir) if choice.native_dir else None)
+            source = cap.config.weights.native.files if choice.path == "native" and cap.config.weights.native else cap.config.weights.files
+            rb.weights = Weights(path=h.path, seconds=round(h.seconds, 4), files=len(source), bytes=sum(f.size for f in source), note=choice.note)
+            if h.details:
+                rb.details["hydrate"] = list(h.details)
         else:
             rb.weights = Weights(path="in-image")
         expected = req.validation.expected_reply or cap.config.validation.reply

@@ -52,6 +52,7 @@ class Weights(Strict):
     seconds: float | None = None
     files: int | None = None
     bytes: int | None = None
+    note: str | None = Field(None, description="Why auto did not take the native path, when it did not.")
 
 
 class Receipt(Strict):

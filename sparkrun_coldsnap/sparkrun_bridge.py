@@ -448,8 +448,10 @@ def describe_plan(req: RestoreRequest, store: CapsuleStore) -> str:
 
     try:
         cap = open_capsule(store, req.capsule.ref)
-        problems = controller.admission_problems(cap, req, controller.resolve(req.workload))
+        problems, choice = controller.admission(cap, req, controller.resolve(req.workload))
         verdict = "admission would refuse it: %s" % "; ".join(problems) if problems else "admission passes"
+        if choice is not None and not problems:
+            verdict += "; weights by the %s path%s" % (choice.path, " (%s)" % choice.note if choice.note else "")
         what = "restore capsule %s (%s) from %s; %s" % (req.capsule.ref, cap.digest[:19], store.root, verdict)
     except NotFoundError:
         what = "no capsule %s in %s: %s" % (req.capsule.ref, store.root, "start vanilla" if req.on_missing == "vanilla" else "fail")

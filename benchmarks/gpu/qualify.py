@@ -1,14 +1,16 @@
 """GPU qualification: real vLLM captured and restored by the project's own drivers.
 
-Runs on the GPU machine (see run_on_device.md). Makes a model of a real
+Runs on the GPU machine (see benchmarks/gpu/README.md). Makes a model of a real
 architecture with random weights, captures it with each driver asked for, then
-alternates samples: a vanilla start, and a restore by each driver, with the
-page cache dropped before every one; preparation is kept off the clock and
-reported. Every restore is validated against the reply recorded at capture.
+alternates samples: a vanilla start, and a restore by each path (a driver, and for
+n610 a weight path), with the page cache dropped before every one; preparation is
+kept off the clock and reported. Every restore is validated against the reply
+recorded at capture.
 
-    python3 benchmarks/gpu/qualify.py model   --work W --shape 1.5b
-    python3 benchmarks/gpu/qualify.py capture --work W --drivers n610,n580 --out OUT
-    python3 benchmarks/gpu/qualify.py samples --work W --drivers n610,n580 --samples 3 --out OUT
+    python3 benchmarks/gpu/qualify.py model     --work W --shape 1.5b
+    python3 benchmarks/gpu/qualify.py capture   --work W --drivers n610,n580 --out OUT
+    python3 benchmarks/gpu/qualify.py samples   --work W --paths n610:native,n610:recovery,n580 --samples 3 --out OUT
+    python3 benchmarks/gpu/qualify.py other-gpu --work W --paths n610:native --restore-gpus 1 --out OUT
 """
 
 from __future__ import annotations
@@ -23,23 +25,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from sparkrun_coldsnap import bench, controller  # noqa: E402
+from sparkrun_coldsnap import bench, controller, paths  # noqa: E402
+from sparkrun_coldsnap import request as rq  # noqa: E402
 from sparkrun_coldsnap.capsule.store import CapsuleStore  # noqa: E402
 from sparkrun_coldsnap.errors import ColdsnapError  # noqa: E402
+from sparkrun_coldsnap.drivers import nvidia  # noqa: E402
 from sparkrun_coldsnap.hostinfo import gpu_facts  # noqa: E402
 from sparkrun_coldsnap.progress import Progress  # noqa: E402
 from sparkrun_coldsnap.receipts import write_receipt  # noqa: E402
-from sparkrun_coldsnap.request import (  # noqa: E402
-    CaptureRequest,
-    CapsuleName,
-    Launch,
-    LaunchUnit,
-    ModelRef,
-    RestoreRequest,
-    Topology,
-    ValidationSpec,
-    Workload,
-)
 
 PROMPT = "Reply with one short sentence: what is a cold start?"
 PORT = 8000
@@ -63,7 +56,7 @@ def make_model(work: Path, shape: str, python: str, device: str) -> dict:
     return info
 
 
-def workload(info: dict, driver: str, engine_site: str, extra_args: str, python: str) -> Workload:
+def workload(info: dict, driver: str, engine_site: str, extra_args: str, python: str, weights: str = "auto") -> rq.Workload:
     command = (
         "%s -m vllm.entrypoints.openai.api_server --model %s --served-model-name %s --port %d "
         "--gpu-memory-utilization 0.3 --max-model-len 2048 --disable-custom-all-reduce %s" % (python, info["path"], info["model_id"], PORT, extra_args)
@@ -75,25 +68,40 @@ def workload(info: dict, driver: str, engine_site: str, extra_args: str, python:
         "HF_HUB_OFFLINE": "1",
         "VLLM_USE_FLASHINFER_SAMPLER": "0",
     }
-    return Workload(
+    return rq.Workload(
         recipe="qual-vllm-%s" % info["model_id"].split("-")[-1],
         engine="vllm",
         runtime="vllm",
-        model=ModelRef(id=info["model_id"], revision=info["revision"], path=info["path"]),
-        topology=Topology(hosts=("localhost",), units=(LaunchUnit(name="solo", host="localhost"),)),
-        launch=Launch(executor="local", command=command, env=env, port=PORT),
+        model=rq.ModelRef(id=info["model_id"], revision=info["revision"], path=info["path"]),
+        topology=rq.Topology(hosts=("localhost",), units=(rq.LaunchUnit(name="solo", host="localhost"),)),
+        launch=rq.Launch(executor="local", command=command, env=env, port=PORT),
         driver=driver,
+        weights=weights,
     )
 
 
-def requests_for(args, driver: str) -> tuple[CaptureRequest, RestoreRequest]:
+def requests_for(args, driver: str, weights: str = "auto") -> tuple[rq.CaptureRequest, rq.RestoreRequest]:
     info = model_info(args.work)
-    w = workload(info, driver, args.engine_site, args.extra_args, args.engine_python)
-    v = ValidationSpec(prompt=PROMPT, max_tokens=16, timeout_seconds=300)
-    name = CapsuleName(name="qual-%s" % driver)
-    cap = CaptureRequest(workload=w, validation=v, capsule=name, ready_timeout_seconds=1200)
-    res = RestoreRequest(workload=w, validation=v, capsule=name, on_missing="fail", workload_name="qual", ready_timeout_seconds=1200)
+    w = workload(info, driver, args.engine_site, args.extra_args, args.engine_python, weights)
+    v = rq.ValidationSpec(prompt=PROMPT, max_tokens=16, timeout_seconds=300)
+    name = rq.CapsuleName(name="qual-%s" % driver)
+    cap = rq.CaptureRequest(workload=w, validation=v, capsule=name, ready_timeout_seconds=1200)
+    res = rq.RestoreRequest(workload=w, validation=v, capsule=name, on_missing="fail", workload_name="qual", ready_timeout_seconds=1200)
     return cap, res
+
+
+def split_path(path: str) -> tuple[str, str]:
+    """``n610:native`` -> (driver, weights); a bare driver takes auto."""
+    driver, _, weights = path.partition(":")
+    return driver, weights or "auto"
+
+
+def engine_log_lines(pattern: str) -> list[str]:
+    """Lines of the engine logs of this run (vLLM's own account of what sleep left, say)."""
+    out = []
+    for log in sorted((paths.run_dir() / "logs").glob("capture-*.log")):
+        out += [line.strip()[-200:] for line in log.read_text(errors="replace").splitlines() if pattern in line]
+    return out
 
 
 def cmd_model(args) -> None:
@@ -116,25 +124,33 @@ def cmd_capture(args) -> None:
         if receipt is not None:
             write_receipt(receipt, args.out / ("capture-%s.json" % driver))
             print("capture %s: %s in %.1f s, phases %s" % (driver, receipt.state, receipt.total_seconds, {p.name: p.seconds for p in receipt.phases}), flush=True)
+            print("  details: %s" % json.dumps(receipt.details)[:600], flush=True)
+    for line in engine_log_lines("Sleep mode freed"):
+        print("  engine: %s" % line, flush=True)
+
+
+def restores_for(args, store: CapsuleStore) -> tuple[dict, dict]:
+    restores, capsules = {}, {}
+    for path in args.paths:
+        driver, weights = split_path(path)
+        _, res = requests_for(args, driver, weights)
+        try:
+            entry = store.resolve(res.capsule.ref)
+        except ColdsnapError as err:
+            print("no capsule for %s: %s" % (path, err), flush=True)
+            continue
+        label = driver if weights == "auto" else "%s %s" % (driver, weights)
+        restores[label] = (res, store)
+        capsules[label] = {"ref": res.capsule.ref, "digest": entry.descriptor.digest}
+    return restores, capsules
 
 
 def cmd_samples(args) -> None:
     store = CapsuleStore(args.work / "store")
-    restores = {}
-    capsules = {}
-    vanilla = None
-    for driver in args.drivers:
-        _, res = requests_for(args, driver)
-        try:
-            entry = store.resolve(res.capsule.ref)
-        except ColdsnapError as err:
-            print("no capsule for %s: %s" % (driver, err), flush=True)
-            continue
-        restores[driver] = (res, store)
-        capsules[driver] = {"ref": res.capsule.ref, "digest": entry.descriptor.digest}
-        vanilla = vanilla or res
-    if vanilla is None:
+    restores, capsules = restores_for(args, store)
+    if not restores:
         sys.exit("nothing to measure")
+    vanilla = next(iter(restores.values()))[0]
     # Vanilla starts without sleep mode, as a user would run it.
     new = bench.run_paths(vanilla, restores, samples=args.samples, base_env=dict(os.environ), progress=Progress(), drop_cache=True)
     # Samples accumulate across calls (one call may not hold them all): kept beside the store.
@@ -152,13 +168,43 @@ def cmd_samples(args) -> None:
     print("results: %s %s" % (path, png or ""))
 
 
+def cmd_other_gpu(args) -> None:
+    """Restore capsules captured on one GPU onto the GPUs of --restore-gpus (this side's
+    CUDA_VISIBLE_DEVICES), validate, and record where the driver reports the engine."""
+    store = CapsuleStore(args.work / "store")
+    restores, capsules = restores_for(args, store)
+    os.environ["CUDA_VISIBLE_DEVICES"] = args.restore_gpus
+    log_dir = paths.run_dir() / "bench"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    report = {"restore_gpus": args.restore_gpus, "gpus": [g.uuid for g in gpu_facts().gpus], "runs": []}
+    for label, (res, _) in restores.items():
+        run = {"path": label, "capsule": capsules[label]}
+        try:
+            prepared = controller.prepare_restore(res, store=store, progress=Progress())
+            out = controller.activate_restore(prepared, log_path=log_dir / ("other-gpu-%s.log" % label.replace(" ", "-")), progress=Progress())
+            run.update(ttft_seconds=out.ttft_seconds, validated=bool(out.receipt.validation and out.receipt.validation.passed), gpus_after=nvidia.gpus_of(out.root_pid))
+            run["phases"] = {p.name: p.seconds for p in out.receipt.phases}
+            run["weights"] = out.receipt.weights.model_dump(mode="json") if out.receipt.weights else None
+            out.unit.stop()
+        except ColdsnapError as err:
+            run.update(error=str(err), validated=False)
+            receipt = getattr(err, "receipt", None)
+            if receipt is not None:
+                run["phases"] = {p.name: p.seconds for p in receipt.phases}
+        report["runs"].append(run)
+        print(json.dumps(run), flush=True)
+    (args.out / "other-gpu.json").write_text(json.dumps(report, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("step", choices=("model", "capture", "samples"))
+    ap.add_argument("step", choices=("model", "capture", "samples", "other-gpu"))
     ap.add_argument("--work", type=Path, required=True, help="work directory (model, store)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     ap.add_argument("--shape", default="1.5b")
     ap.add_argument("--drivers", type=lambda s: [d for d in s.split(",") if d], default=["n610", "n580"])
+    ap.add_argument("--paths", type=lambda s: [d for d in s.split(",") if d], default=["n610:native", "n610:recovery", "n580"], help="driver[:weights] to restore by")
+    ap.add_argument("--restore-gpus", default="1", help="other-gpu: CUDA_VISIBLE_DEVICES of the restoring side")
     ap.add_argument("--samples", type=int, default=3)
     ap.add_argument("--engine-site", default="", help="PYTHONPATH of the engine's carried packages")
     ap.add_argument("--extra-args", default="", help="more engine flags")
@@ -168,7 +214,7 @@ def main() -> None:
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    {"model": cmd_model, "capture": cmd_capture, "samples": cmd_samples}[args.step](args)
+    {"model": cmd_model, "capture": cmd_capture, "samples": cmd_samples, "other-gpu": cmd_other_gpu}[args.step](args)
 
 
 if __name__ == "__main__":

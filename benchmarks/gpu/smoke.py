@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from sparkrun_coldsnap.drivers import cuda_checkpoint  # noqa: E402
 from sparkrun_coldsnap.drivers.n610 import N610Driver  # noqa: E402
+from sparkrun_coldsnap.drivers.nvidia import gpus_of  # noqa: E402
 from sparkrun_coldsnap.hostinfo import host_facts  # noqa: E402
 from sparkrun_coldsnap.launch.iouring import io_uring_disabled  # noqa: E402
 from sparkrun_coldsnap.launch.local import kill_tree, start_unit, tree_pids  # noqa: E402
@@ -37,22 +38,13 @@ def ask(port: int, timeout: float = 120) -> str:
             time.sleep(0.1)
 
 
-def gpus_of(root_pid: int) -> list[str]:
-    """The GPUs (UUIDs) on which the tree under *root_pid* holds memory, as the driver reports it."""
-    pids = {str(p) for p in tree_pids(root_pid)}
-    out = subprocess.run(
-        ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"], capture_output=True, text=True, check=False
-    ).stdout
-    fields = [[f.strip() for f in line.split(",")] for line in out.splitlines()]
-    return sorted({f[1] for f in fields if len(f) == 2 and f[0] in pids})
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--capture-gpus", help="CUDA_VISIBLE_DEVICES for the server at capture")
     ap.add_argument("--restore-gpus", help="CUDA_VISIBLE_DEVICES for the restoring side: the GPUs the server comes back on")
+    ap.add_argument("--warm", action="store_true", help="start the CUDA helper before the clock, as a prepared restore does")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict = {"host": host_facts().model_dump()}
@@ -83,8 +75,12 @@ def main() -> None:
         report["admission"] = driver.admission(image)
         if args.restore_gpus is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = args.restore_gpus  # the restoring side's choice, as a user would set it
+        warm = driver.warm_up(image) if args.warm else None
+        if warm is not None:
+            warm.driver_version  # wait for its CUDA initialization: off the clock
+        report["warm_helper"] = warm is not None
         t = time.monotonic()
-        restored = driver.restore(image, work / "images", log_path=work / "r.log", progress=print)
+        restored = driver.restore(image, work / "images", log_path=work / "r.log", progress=print, warm=warm)
         report["restore_seconds"] = time.monotonic() - t
         after = ask(args.port)
         report["reply_seconds_after_restore"] = time.monotonic() - t

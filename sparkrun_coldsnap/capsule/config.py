@@ -20,6 +20,11 @@ class ModelFile(Strict):
     sha256: str
 
 
+class NativePayload(Strict):
+    digest: str = Field(description="sha256 over the file list below; names the payload's directory under native/ in the coldsnap home.")
+    files: tuple[ModelFile, ...] = Field(description="One tensor file and one index per engine worker, as the engine wrote them at capture.")
+
+
 class WeightsRecord(Strict):
     location: Literal["in-image", "external"] = Field(
         description="in-image: the engine could not release its weights, they are inside the process images; external: hydrated from the files below."
@@ -28,6 +33,7 @@ class WeightsRecord(Strict):
     revision: str
     files: tuple[ModelFile, ...]
     artifact: str | None = Field(None, description="Digest of a weights artifact published to a registry, if any.")
+    native: NativePayload | None = Field(None, description="The engine's loaded tensors written at capture, read back by the native weight path; none if not written.")
 
 
 class CapturedValidation(Strict):

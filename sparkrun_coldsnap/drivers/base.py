@@ -96,13 +96,20 @@ class SnapshotDriver(ABC):
     def admission(self, unit: UnitImage) -> list[str]:
         """Host-side problems that would make restoring *unit* fail (PIDs, files in use)."""
 
+    def warm_up(self, unit: UnitImage) -> Any:
+        """Start, during preparation, what a restore of *unit* will need and that does not
+        touch the running workload (the n610 driver's CUDA helper); handed to ``restore``
+        as *warm*, and closed with ``close()`` if the restore never happens."""
+        return None
+
     @abstractmethod
-    def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None) -> "RestoredUnit":
+    def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None, warm: Any = None) -> "RestoredUnit":
         """Restore *unit* from *images*.
 
         *owned_dir* is the staging directory holding *images*; a driver that
         still reads the images after returning (memory restored on demand)
         takes it over and removes it when done, and says so in the result.
+        *warm* is what ``warm_up`` returned; the restore owns it from then on.
         """
 
     # -- container launch units (the engine in a Docker container) ------------

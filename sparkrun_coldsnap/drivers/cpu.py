@@ -56,7 +56,7 @@ class CpuDriver(SnapshotDriver):
         pids = pid_problems(unit.pids) if not unit.pid_namespace else []
         return pids + criu_tree.shared_file_problems(unit)
 
-    def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None) -> RestoredUnit:
+    def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None, warm: Any = None) -> RestoredUnit:
         criu = Criu.locate()
         # Memory on demand: the tree resumes before its pages are copied, and
         # an engine touches little of its memory to answer (its KV cache and

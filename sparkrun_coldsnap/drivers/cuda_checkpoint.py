@@ -41,7 +41,12 @@ class CudaCallError(RuntimeError):
 
 
 class HelperProcess:
-    """CheckpointApi over the helper's JSON-lines protocol."""
+    """CheckpointApi over the helper's JSON-lines protocol.
+
+    Starting returns at once: the helper initializes CUDA (seconds) while the caller
+    goes on, and the first call waits for it. A restore starts it before CRIU runs,
+    or earlier still, during preparation.
+    """
 
     def __init__(self, python: str, *, env: dict[str, str] | None = None) -> None:
         try:
@@ -50,12 +55,27 @@ class HelperProcess:
             )
         except FileNotFoundError as err:
             raise ToolError("cannot start the CUDA checkpoint helper: %s not found" % python) from err
-        self.driver_version = int(self._call({"op": "init"})["driver"])
+        self._send({"op": "init"})
+        self._driver_version: int | None = None
 
-    def _call(self, msg: dict) -> dict:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+    @property
+    def driver_version(self) -> int:
+        if self._driver_version is None:
+            self._driver_version = int(self._receive()["driver"])
+        return self._driver_version
+
+    def _send(self, msg: dict) -> None:
+        assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(msg) + "\n")
         self.proc.stdin.flush()
+
+    def _call(self, msg: dict) -> dict:
+        self.driver_version  # the init reply comes first
+        self._send(msg)
+        return self._receive()
+
+    def _receive(self) -> dict:
+        assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
             err = self.proc.stderr.read() if self.proc.stderr else ""

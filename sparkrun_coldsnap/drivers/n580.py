@@ -14,6 +14,7 @@ import shlex
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 from sparkrun_coldsnap.drivers import criu_tree, tree_inspect
 from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, SnapshotDriver, Support, UnitImage
@@ -93,7 +94,7 @@ class N580Driver(SnapshotDriver):
     def admission(self, unit: UnitImage) -> list[str]:
         return pid_problems(unit.pids) + criu_tree.shared_file_problems(unit)
 
-    def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None) -> RestoredUnit:
+    def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None, warm: Any = None) -> RestoredUnit:
         pid, handed = criu_tree.restore(Criu.locate(), unit, images, log_path=log_path, progress=progress, lazy=False)
         self.resume(pid)
         return RestoredUnit(pid, handed)

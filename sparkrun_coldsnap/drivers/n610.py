@@ -99,15 +99,30 @@ class N610Driver(SnapshotDriver):
     def admission(self, unit: UnitImage) -> list[str]:
         return pid_problems(unit.pids) + criu_tree.shared_file_problems(unit)
 
-    def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None) -> RestoredUnit:
-        criu = Criu.locate()
-        # Memory on demand here too when asked: the CUDA restore then faults in the host
-        # copy of the device state as it reads it.
-        lazy = os.environ.get("COLDSNAP_N610_LAZY_PAGES") == "1" and criu_tree.lazy_pages_supported(criu)
-        pid, handed = criu_tree.restore(criu, unit, images, log_path=log_path, progress=progress, lazy=lazy, owned_dir=owned_dir)
+    def warm_up(self, unit: UnitImage) -> cuda_checkpoint.HelperProcess:
+        # The helper's CUDA initialization takes seconds: let it happen before the clock starts.
+        # It must not sit on a PID the restore needs (a young host may hand those out).
+        for _ in range(8):
+            api = cuda_checkpoint.HelperProcess(cuda_checkpoint.helper_python(), env=cuda_checkpoint.helper_env_without_visibility())
+            if api.proc.pid not in unit.pids:
+                return api
+            api.close()
+        raise ToolError("the CUDA checkpoint helper keeps getting a PID the capsule needs: retry the restore")
+
+    def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None, warm: Any = None) -> RestoredUnit:
         # The helper sees every GPU (the driver checks the captured UUIDs against the caller's);
-        # this side's CUDA_VISIBLE_DEVICES picks the GPUs the workload comes back on.
-        api = cuda_checkpoint.HelperProcess(cuda_checkpoint.helper_python(), env=cuda_checkpoint.helper_env_without_visibility())
+        # this side's CUDA_VISIBLE_DEVICES picks the GPUs the workload comes back on. Without a
+        # warmed one, it starts now and initializes CUDA while CRIU restores the tree.
+        api = warm or self.warm_up(unit)
+        try:
+            criu = Criu.locate()
+            # Memory on demand here too when asked: the CUDA restore then faults in the host
+            # copy of the device state as it reads it.
+            lazy = os.environ.get("COLDSNAP_N610_LAZY_PAGES") == "1" and criu_tree.lazy_pages_supported(criu)
+            pid, handed = criu_tree.restore(criu, unit, images, log_path=log_path, progress=progress, lazy=lazy, owned_dir=owned_dir)
+        except BaseException:
+            api.close()
+            raise
         try:
             here = api.uuids()
             used = unit.driver_data.get("gpu_uuids", ())

@@ -5,8 +5,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import platform
+import subprocess
 
 from sparkrun_coldsnap.hostinfo import HostFacts
+from sparkrun_coldsnap.launch.local import tree_pids
 
 # The process checkpoint API by platform (NVIDIA's release notes, and what was
 # measured: CUDA_ERROR_NOT_SUPPORTED on GB10 with 580; x86_64 580 worked).
@@ -46,3 +48,13 @@ def checkpoint_api_problem(host: HostFacts) -> str | None:
     if not has_checkpoint_api():
         return "libcuda.so.1 has no cuCheckpointProcess* functions: update the NVIDIA driver"
     return None
+
+
+def gpus_of(root_pid: int) -> list[str]:
+    """The GPUs (UUIDs) on which the tree under *root_pid* holds memory, as the driver reports it."""
+    pids = {str(p) for p in tree_pids(root_pid)}
+    out = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"], capture_output=True, text=True, check=False
+    ).stdout
+    fields = [[f.strip() for f in line.split(",")] for line in out.splitlines()]
+    return sorted({f[1] for f in fields if len(f) == 2 and f[0] in pids})

@@ -22,8 +22,8 @@ class Endpoint:
 class HydrationResult:
     path: str  # "recovery" | "native" | "in-image"
     seconds: float
-    files: int = 0
-    bytes: int = 0
+    #: what the engine reported (per worker: bytes, seconds, direct I/O), for the receipt
+    details: tuple[dict[str, Any], ...] = ()
 
 
 def flag_value(command: str, flag: str) -> str | None:
@@ -82,8 +82,9 @@ class EngineAdapter(ABC):
 
     # -- launch ---------------------------------------------------------
 
-    def prepare_launch(self, command: str, env: Mapping[str, str], *, release_weights: bool) -> tuple[str, dict[str, str]]:
-        """Adjust the command/env so the engine can release memory before capture."""
+    def prepare_launch(self, command: str, env: Mapping[str, str], *, release_weights: bool, native_weights: bool = False) -> tuple[str, dict[str, str]]:
+        """Adjust the command/env so the engine can release memory before capture
+        (and, with *native_weights*, write and read a native weight payload)."""
         return command, dict(env)
 
     def wait_ready(self, endpoint: Endpoint, *, alive: Callable[[], bool], timeout: float, on_tick: Callable[[float], None] | None = None) -> float:
@@ -102,8 +103,12 @@ class EngineAdapter(ABC):
         """Drop weights and KV cache from device memory before capture."""
 
     @abstractmethod
-    def hydrate(self, endpoint: Endpoint, *, path: str, model_dir: str) -> HydrationResult:
-        """Bring weights back after restore by *path* (recovery or native)."""
+    def hydrate(self, endpoint: Endpoint, *, path: str, model_dir: str, native_dir: str | None = None) -> HydrationResult:
+        """Bring weights back after restore by *path*: recovery (from *model_dir*) or native (from *native_dir*)."""
+
+    def export_native(self, endpoint: Endpoint, directory: str) -> tuple[dict[str, Any], ...]:
+        """Have the serving engine write its loaded weights to *directory* (one file set per worker)."""
+        raise EngineError("%s cannot write a native weight payload: use weights: recovery" % self.name)
 
     def capabilities(self) -> dict[str, Any]:
         return {
@@ -113,15 +118,21 @@ class EngineAdapter(ABC):
         }
 
 
-def timed_post(url: str, *, json_body: Any = None, timeout: float = 600.0, what: str) -> float:
-    """POST and require 2xx; returns seconds taken."""
+def post(url: str, *, json_body: Any = None, timeout: float = 600.0, what: str):
+    """POST and require 2xx; returns the response."""
     import requests
 
-    t = time.monotonic()
     try:
         r = requests.post(url, json=json_body, timeout=timeout, headers={"Connection": "close"})
     except requests.RequestException as err:
         raise EngineError("%s failed: %s" % (what, err)) from err
     if not 200 <= r.status_code < 300:
         raise EngineError("%s failed: HTTP %d: %s" % (what, r.status_code, r.text[:300]))
+    return r
+
+
+def timed_post(url: str, *, json_body: Any = None, timeout: float = 600.0, what: str) -> float:
+    """POST and require 2xx; returns seconds taken."""
+    t = time.monotonic()
+    post(url, json_body=json_body, timeout=timeout, what=what)
     return time.monotonic() - t

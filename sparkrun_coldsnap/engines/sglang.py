@@ -38,7 +38,7 @@ class SglangAdapter(EngineAdapter):
     # sparkrun renders `sglang serve ...` (the console script of sglang.cli.main).
     console_scripts = {"sglang": "sglang.cli.main"}
 
-    def prepare_launch(self, command: str, env: Mapping[str, str], *, release_weights: bool) -> tuple[str, dict[str, str]]:
+    def prepare_launch(self, command: str, env: Mapping[str, str], *, release_weights: bool, native_weights: bool = False) -> tuple[str, dict[str, str]]:
         if release_weights and not has_flag(command, "--enable-memory-saver"):
             command = command + " --enable-memory-saver"
         return command, dict(env)
@@ -46,7 +46,7 @@ class SglangAdapter(EngineAdapter):
     def release_memory(self, endpoint: Endpoint) -> None:
         timed_post(endpoint.base_url + "/release_memory_occupation", json_body={"tags": RELEASED}, what="SGLang release_memory_occupation")
 
-    def hydrate(self, endpoint: Endpoint, *, path: str, model_dir: str) -> HydrationResult:
+    def hydrate(self, endpoint: Endpoint, *, path: str, model_dir: str, native_dir: str | None = None) -> HydrationResult:
         if path != "recovery":
             raise EngineError("weight path %r is not built for SGLang: use weights: recovery (or auto)" % path)
         t = time.monotonic()

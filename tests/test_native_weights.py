@@ -1,0 +1,123 @@
+"""The native weight payload against the real CPU vLLM engine.
+
+vLLM has no sleep mode on the CPU, so restores there keep weights in the image; the
+payload's engine side (a vLLM worker extension called through ``/collective_rpc``) is
+the same code on both platforms, so it is exercised here for real: the engine writes
+its loaded tensors, the plugin seals them under their digest, and reading a payload
+back really replaces the weights the engine serves with.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+
+import pytest
+
+from conftest import hf_home, require_engine
+from sparkrun_coldsnap import native_payload, plugins, weight_paths
+from sparkrun_coldsnap.capsule.config import ModelFile, NativePayload
+from sparkrun_coldsnap.engines.base import Endpoint
+from sparkrun_coldsnap.errors import EngineError
+from sparkrun_coldsnap.launch.engine_env import EngineEnv
+from sparkrun_coldsnap.launch.local import kill_tree, start_unit
+
+pytestmark = pytest.mark.engine
+PROMPT = "Reply with one short sentence: what is a cold start?"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    require_engine()
+    tmp = tmp_path_factory.mktemp("native")
+    model = next((hf_home() / "hub").glob("models--coldsnap--tiny-qwen2/snapshots/*"))
+    port = free_port()
+    adapter = plugins.registry().engine("vllm")
+    base = "python -m vllm.entrypoints.openai.api_server --model %s --served-model-name tiny --port %d --max-model-len 512 --dtype bfloat16" % (model, port)
+    command, env = adapter.prepare_launch(base, {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "HOME": str(tmp)}, release_weights=False, native_weights=True)
+    unit = start_unit(command, env=EngineEnv.named("vllm-cpu").apply(env), log_path=tmp / "engine.log")
+    endpoint = Endpoint("http://127.0.0.1:%d" % port, "tiny")
+    try:
+        adapter.wait_ready(endpoint, alive=unit.alive, timeout=600)
+        yield adapter, endpoint, tmp
+    finally:
+        kill_tree(unit.root_pid)
+
+
+def reply(adapter, endpoint) -> str:
+    return adapter.validate(endpoint, prompt=PROMPT, max_tokens=16, timeout=120).text
+
+
+def test_launch_mixes_the_extension_into_vllm_workers():
+    adapter = plugins.registry().engine("vllm")
+    command, env = adapter.prepare_launch("vllm serve m", {"PYTHONPATH": "/engine/site"}, release_weights=True, native_weights=True)
+    assert "--enable-sleep-mode" in command and "--worker-extension-cls coldsnap_native_weights.NativeWeights" in command
+    assert env["PYTHONPATH"].endswith(":/engine/site") and env["VLLM_SERVER_DEV_MODE"] == "1"
+    # A recipe's own extension is kept; the native path is then unavailable, not forced.
+    command, _ = adapter.prepare_launch("vllm serve m --worker-extension-cls my.Ext", {}, release_weights=True, native_weights=True)
+    assert command.count("--worker-extension-cls") == 1
+
+
+def test_export_seal_and_read_back_replace_the_served_weights(engine, monkeypatch, tmp_path):
+    adapter, endpoint, _ = engine
+    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "home"))
+    before = reply(adapter, endpoint)
+
+    record, reports = native_payload.export(adapter, endpoint)
+    d = native_payload.directory(record)
+    assert sorted(f.name for f in record.files) == ["rank-0.bin", "rank-0.json"]
+    assert reports[0]["bytes"] == next(f.size for f in record.files if f.name == "rank-0.bin") > 500_000
+    assert native_payload.problems(record) == [] and not list(native_payload.root().glob(".staging-*"))
+
+    # Reading back a payload whose bytes differ changes what the engine says...
+    damaged = tmp_path / "damaged"
+    shutil.copytree(d, damaged)
+    with open(damaged / "rank-0.bin", "r+b") as f:
+        f.write(bytes(256 << 10))  # zero the start of the embedding table
+    adapter._rpc(endpoint, "coldsnap_load_native", str(damaged))
+    assert reply(adapter, endpoint) != before
+    # ...and the sealed payload brings the captured weights back, byte for byte.
+    loaded = adapter._rpc(endpoint, "coldsnap_load_native", str(d))
+    assert loaded[0]["bytes"] == reports[0]["bytes"]
+    assert reply(adapter, endpoint) == before
+
+    # The same bytes seal to the same address; a damaged payload is refused by digest.
+    again, _ = native_payload.export(adapter, endpoint)
+    assert again == record
+    with open(d / "rank-0.bin", "r+b") as f:
+        f.seek(123)
+        f.write(b"\x01")
+    (problem,) = native_payload.problems(record)
+    assert record.digest[:19] in problem and "does not match" in problem
+
+
+def test_a_payload_of_another_model_is_refused_by_the_engine(engine, tmp_path):
+    adapter, endpoint, _ = engine
+    (tmp_path / "rank-0.json").write_text('{"format": 1, "rank": 0, "bytes": 4, "tensors": [{"name": "x", "dtype": "float32", "shape": [1], "offset": 0, "nbytes": 4}]}')
+    (tmp_path / "rank-0.bin").write_bytes(bytes(4))
+    with pytest.raises(EngineError, match="does not fit this model"):
+        adapter._rpc(endpoint, "coldsnap_load_native", str(tmp_path))
+
+
+def test_auto_falls_back_to_recovery_and_says_why(monkeypatch, tmp_path):
+    from sparkrun_coldsnap.capsule.config import WeightsRecord
+
+    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path))
+    adapter = plugins.registry().engine("vllm")
+    gone = NativePayload(digest="sha256:" + "ab" * 32, files=(ModelFile(name="rank-0.bin", size=1, sha256="sha256:00"),))
+
+    class Cfg:
+        weights = WeightsRecord(location="external", model_id="m", revision="r", files=(), native=gone)
+
+    auto = weight_paths.choose(Cfg, "auto", adapter)
+    assert (auto.path, auto.problem) == ("recovery", None) and "not on this host" in auto.note
+    native = weight_paths.choose(Cfg, "native", adapter)
+    assert native.problem.startswith("weights: native: native weight payload sha256:abababab") and "weights: auto or recovery" in native.problem
+    assert weight_paths.choose(Cfg, "recovery", adapter).path == "recovery"
+    assert "not a weight path" in weight_paths.choose(Cfg, "in-image", adapter).problem
