@@ -130,6 +130,17 @@ def test_restoring_onto_fewer_gpus_than_captured_is_refused(monkeypatch):
         cc.gpu_pairs(["GPU-a"], ["GPU-a", "GPU-b"], ["GPU-x"], ["GPU-x"])
 
 
+def test_a_workload_uses_the_gpus_it_sees_and_holds_memory_on():
+    # vLLM without CUDA_VISIBLE_DEVICES on a two-GPU host sees both and works on the first:
+    # it used one GPU, so CUDA_VISIBLE_DEVICES=1 may bring it back on the other (a swap).
+    used = cc.workload_gpus(["GPU-a", "GPU-b"], ["GPU-a"])
+    assert used == ["GPU-a"]
+    assert cc.gpu_pairs(used, ["GPU-a", "GPU-b"], ["GPU-a", "GPU-b"], ["GPU-b"]) == [("GPU-a", "GPU-b"), ("GPU-b", "GPU-a")]
+    assert cc.workload_gpus(["GPU-b", "GPU-a"], ["GPU-a", "GPU-b", "GPU-c"]) == ["GPU-b", "GPU-a"]
+    # Nothing reported by the driver: everything it sees counts.
+    assert cc.workload_gpus(["GPU-a", "GPU-b"], []) == ["GPU-a", "GPU-b"]
+
+
 def test_visible_gpus_follow_cuda_visible_devices():
     every = ["GPU-aaaa-1", "GPU-bbbb-2", "GPU-cccc-3"]
     assert cc.visible_uuids(None, every) == every

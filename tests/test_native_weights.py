@@ -99,7 +99,7 @@ def test_export_seal_and_read_back_replace_the_served_weights(engine, monkeypatc
 
 def test_a_payload_of_another_model_is_refused_by_the_engine(engine, tmp_path):
     adapter, endpoint, _ = engine
-    (tmp_path / "rank-0.json").write_text('{"format": 1, "rank": 0, "bytes": 4, "tensors": [{"name": "x", "dtype": "float32", "shape": [1], "offset": 0, "nbytes": 4}]}')
+    (tmp_path / "rank-0.json").write_text('{"format": 1, "rank": 0, "bytes": 4, "tensors": [{"name": "x", "offset": 0, "nbytes": 4}]}')
     (tmp_path / "rank-0.bin").write_bytes(bytes(4))
     with pytest.raises(EngineError, match="does not fit this model"):
         adapter._rpc(endpoint, "coldsnap_load_native", str(tmp_path))

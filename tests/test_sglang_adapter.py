@@ -100,8 +100,10 @@ def test_a_runtime_sglang_recipe_captures_and_restores_like_vllm(sparkrun, tmp_p
     assert capture["state"] == "succeeded"
     doc = sparkrun.json("inspect", "fake-sglang", "--store", str(store), "--json")
     assert doc["config"]["engine"]["name"] == "sglang" and doc["config"]["workload"]["runtime"] == "sglang"
-    out = sparkrun("run", str(recipe), "-H", "localhost", "--no-follow")
-    assert "restored fake-sglang:latest" in out.stderr + out.stdout
-    restore = json.loads(sorted((store / "receipts" / "fake-sglang").glob("*-restore.json"))[-1].read_text())
-    assert restore["validation"]["passed"] and restore["validation"]["reply"] == capture["validation"]["reply"]
-    sparkrun("stop", str(recipe), "-H", "localhost")
+    try:
+        out = sparkrun("run", str(recipe), "-H", "localhost", "--no-follow")
+        assert "restored fake-sglang:latest" in out.stderr + out.stdout
+        restore = json.loads(sorted((store / "receipts" / "fake-sglang").glob("*-restore.json"))[-1].read_text())
+        assert restore["validation"]["passed"] and restore["validation"]["reply"] == capture["validation"]["reply"]
+    finally:
+        sparkrun("stop", str(recipe), "-H", "localhost", check=False)

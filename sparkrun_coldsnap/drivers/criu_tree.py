@@ -34,7 +34,7 @@ from sparkrun_coldsnap.drivers.base import Progress, SharedFile, UnitImage
 from sparkrun_coldsnap.drivers.criu_tool import Criu, log_tail
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
 from sparkrun_coldsnap.proc import run
-from sparkrun_coldsnap.launch.local import tree_pids
+from sparkrun_coldsnap.launch.local import kill_tree, tree_pids
 from sparkrun_coldsnap.sparse import copy_sparse
 
 BASE_FLAGS = ("--ext-unix-sk", "--file-locks", "--link-remap", "--ghost-limit", "256M")
@@ -213,7 +213,10 @@ def restore(
     ``criu lazy-pages`` daemon fills them on first touch and streams the rest
     in the background, then removes *owned_dir* (the staged images).
     """
-    pidfile = images / "restore.pid"
+    # Not among the images: with memory on demand the daemon removes those as soon as the
+    # last page is delivered, which for a small tree can come before the pidfile is read.
+    pidfile = paths.run_dir() / ("restore-%d-%s.pid" % (os.getpid(), unit.name))
+    pidfile.parent.mkdir(parents=True, exist_ok=True)
     pidfile.unlink(missing_ok=True)
     t_files = time.monotonic()
     placed = _place_shared(unit, images)
@@ -243,4 +246,9 @@ def restore(
     try:
         return int(pidfile.read_text().strip()), daemon is not None and owned_dir is not None
     except (OSError, ValueError) as err:
+        # The tree came back with its captured PIDs: stop it rather than leave it unowned.
+        if unit.pids and psutil.pid_exists(unit.pids[0]):
+            kill_tree(unit.pids[0], grace=2.0)
         raise RestoreError("criu restore of unit %s reported success but wrote no pidfile: %s" % (unit.name, err)) from err
+    finally:
+        pidfile.unlink(missing_ok=True)

@@ -228,6 +228,15 @@ def helper_env_without_visibility() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
 
 
+def workload_gpus(visible: Sequence[str], held: Sequence[str]) -> list[str]:
+    """The GPUs a workload uses: those it sees and holds memory on, in the order it sees
+    them. A process that sees two GPUs but works on one (vLLM without CUDA_VISIBLE_DEVICES
+    on a two-GPU host) uses one, and may come back on either. All it sees when the driver
+    reports nothing."""
+    used = [u for u in visible if u in set(held)]
+    return used or list(visible)
+
+
 def gpu_pairs(used: Sequence[str], captured_all: Sequence[str], here_all: Sequence[str], targets: Sequence[str]) -> list[tuple[str, str]]:
     """The GPU remapping for a restore: the workload's GPUs onto ``targets``, the rest onto the rest.
 

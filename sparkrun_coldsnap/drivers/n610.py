@@ -80,10 +80,11 @@ class N610Driver(SnapshotDriver):
             raise CaptureError("no process of the workload holds a CUDA context: is the engine running on the GPU?")
         api = cuda_checkpoint.HelperProcess(cuda_checkpoint.helper_python(), env=cuda_checkpoint.helper_env_without_visibility())
         try:
-            # Record the GPUs the workload itself uses (its CUDA_VISIBLE_DEVICES over all of them),
-            # so a restore can put it back on those or remap it onto others.
+            # Record the GPUs the workload uses (those its CUDA_VISIBLE_DEVICES shows and it holds
+            # memory on), so a restore can put it back on those or remap it onto others.
             every = api.uuids()
-            uuids = cuda_checkpoint.visible_uuids(psutil.Process(root_pid).environ().get("CUDA_VISIBLE_DEVICES"), every)
+            visible = cuda_checkpoint.visible_uuids(psutil.Process(root_pid).environ().get("CUDA_VISIBLE_DEVICES"), every)
+            uuids = cuda_checkpoint.workload_gpus(visible, nvidia.gpus_of(root_pid))
             progress("CUDA checkpoint of %d processes" % len(cuda))
             cuda_checkpoint.checkpoint_all(api, cuda)
             try:
@@ -144,7 +145,7 @@ class N610Driver(SnapshotDriver):
     def capabilities(self, host: HostFacts) -> dict[str, Any]:
         out = super().capabilities(host)
         out["qualification"] = {
-            "qualified": "vLLM 0.26.0 on an NVIDIA H200, x86_64, driver 580.159.04, CUDA 13.0, one GPU, custom all-reduce off; restore onto the other GPU of two H200s (docs/benchmarks.md)",
+            "qualified": "vLLM 0.26.0 on NVIDIA H200s, x86_64, driver 580.159.04, CUDA 13.0, one GPU per workload, custom all-reduce off, native and recovery weights; vLLM restored onto the other GPU of two H200s (docs/benchmarks.md)",
             "x86_64_without_cuda_ipc": "driver >= %d" % nvidia.MIN_X86,
             "aarch64": "driver >= %d" % nvidia.MIN_ARM,
             "cuda_ipc": "needs driver >= %d with processes started under the driver's checkpoint job file; unqualified: no such driver was available" % nvidia.IPC_MIN,

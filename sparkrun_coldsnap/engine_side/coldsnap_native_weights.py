@@ -1,9 +1,10 @@
 """The native weight payload, from inside vLLM's worker processes.
 
 Loaded with ``--worker-extension-cls coldsnap_native_weights.NativeWeights`` and
-called through vLLM's ``/collective_rpc``. At capture each worker writes the tensors
-it holds *as loaded* (after vLLM's fusing and post-processing) to one flat file; after
-restore it reads that file straight back into the same tensors: no safetensors
+called through vLLM's ``/collective_rpc``. At capture each worker writes the storage of
+every parameter and buffer it holds *as loaded* (after vLLM's fusing and post-processing)
+to one flat file; after restore it reads that file straight back into the same storages
+(the allocator puts them back at the same addresses when the weights wake): no safetensors
 parsing, no name mapping, no re-processing. The file is read in large aligned chunks
 by several threads at once (``O_DIRECT`` where the file system allows it, so a cold
 page cache is not a second copy) into pinned buffers, and each chunk is copied to the
@@ -31,11 +32,11 @@ def payload_names(rank: int) -> tuple[str, str]:
     return "rank-%d.bin" % rank, "rank-%d.json" % rank
 
 
-def layout(entries: Iterable[tuple[str, str, list[int], int]]) -> list[dict[str, Any]]:
-    """Back-to-back offsets for (name, dtype, shape, nbytes) in the given order."""
+def layout(entries: Iterable[tuple[str, int]]) -> list[dict[str, Any]]:
+    """Back-to-back offsets for (name, nbytes) in the given order."""
     out, offset = [], 0
-    for name, dtype, shape, nbytes in entries:
-        out.append({"name": name, "dtype": dtype, "shape": list(shape), "offset": offset, "nbytes": nbytes})
+    for name, nbytes in entries:
+        out.append({"name": name, "offset": offset, "nbytes": nbytes})
         offset += nbytes
     return out
 
@@ -55,33 +56,23 @@ def copies_for(chunk_off: int, chunk_len: int, tensors: list[dict[str, Any]]) ->
     return out
 
 
-def _held_tensors(model) -> list[tuple[str, Any]]:
-    """Every tensor the loaded model holds, each storage once: parameters, buffers
-    (rotary caches, scales) and plain tensor attributes that weight post-processing
-    leaves on modules. After a level-2 sleep all of them are gone from the device."""
+def _held_storages(model) -> list[tuple[str, Any]]:
+    """The storage behind every parameter and buffer (rotary caches, scales) of the loaded
+    model, once each, as a flat byte tensor, named after the first tensor using it. Whole
+    storages, so transposed or strided views and tied weights need no special case.
+    These are what a level-2 sleep takes off the device and vLLM's own reload puts back.
+    Plain tensor attributes are left out: the KV cache is one, and it is no weight."""
     import torch
 
     found = list(model.named_parameters()) + list(model.named_buffers())
-    for prefix, module in model.named_modules():
-        for attr, value in vars(module).items():
-            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-                found.append(("%s.%s" % (prefix, attr) if prefix else attr, value))
     seen, out = set(), []
     for name, t in found:
-        key = (t.data_ptr(), t.numel(), t.dtype)
-        if key in seen or t.numel() == 0:
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0 or storage.data_ptr() in seen:
             continue
-        seen.add(key)
-        out.append((name, t))
+        seen.add(storage.data_ptr())
+        out.append((name, torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)))
     return out
-
-
-def _bytes_view(t):
-    import torch
-
-    if not t.is_contiguous():
-        raise RuntimeError("tensor is not contiguous: the native payload cannot address it in place")
-    return t.detach().reshape(-1).view(torch.uint8)
 
 
 def _open_for_reading(path: str) -> tuple[int, bool]:
@@ -128,12 +119,12 @@ class NativeWeights:
 
         rank = self._coldsnap_rank()
         bin_name, index_name = payload_names(rank)
-        held = _held_tensors(self._coldsnap_model())
-        table = layout((name, str(t.dtype).replace("torch.", ""), list(t.shape), t.numel() * t.element_size()) for name, t in held)
+        held = _held_storages(self._coldsnap_model())
+        table = layout((name, t.numel()) for name, t in held)
         t0 = time.monotonic()
         with open(os.path.join(directory, bin_name), "wb") as f:
             for name, t in held:
-                f.write(memoryview(_bytes_view(t).to("cpu").numpy()))
+                f.write(memoryview(t.to("cpu").numpy()))
             f.flush()
             os.fsync(f.fileno())
         total = sum(e["nbytes"] for e in table)
@@ -151,14 +142,14 @@ class NativeWeights:
         bin_name, index_name = payload_names(rank)
         with open(os.path.join(directory, index_name)) as f:
             index = json.load(f)
-        held = _held_tensors(self._coldsnap_model())
+        held = _held_storages(self._coldsnap_model())
         table = index["tensors"]
-        now = [(name, str(t.dtype).replace("torch.", ""), list(t.shape)) for name, t in held]
-        was = [(e["name"], e["dtype"], e["shape"]) for e in table]
+        now = [(name, t.numel()) for name, t in held]
+        was = [(e["name"], e["nbytes"]) for e in table]
         if now != was:
             diff = next(((a, b) for a, b in zip(was, now) if a != b), (len(was), len(now)))
             raise RuntimeError("native payload does not fit this model (payload %r, model %r): capture again" % diff)
-        dests = [_bytes_view(t) for _, t in held]
+        dests = [t for _, t in held]
         on_gpu = any(t.is_cuda for _, t in held)
         slots = [torch.empty(CHUNK, dtype=torch.uint8, pin_memory=on_gpu) for _ in range(READERS)]
         path = os.path.join(directory, bin_name)

@@ -7,8 +7,9 @@ After restore it resumes the allocations and reloads the weights in place from
 the model files the capsule recorded (``/update_weights_from_disk``).
 
 Facts of SGLang's HTTP server this relies on (0.5.17): ``/health`` answers 503
-until the server has warmed up, then 200 with an empty body; the memory
-endpoints answer 200 ``null`` (and do nothing without the memory saver);
+until the server has warmed up, then 200 with an empty body after generating one
+token (so it is polled only while weights are in place); the memory endpoints
+answer 200 ``null`` and track released tags (resuming one not released is fatal);
 ``/update_weights_from_disk`` answers ``{"success": ..., "message": ...}`` with
 200 or 400, and on success reports the model path as the served name.
 """

@@ -4,8 +4,9 @@ SGLang cannot run on the CPU machines CI uses (no CPU build of its kernels), so
 the adapter is tested against this fake. It answers the same paths with the
 same bodies, status codes and streaming format as the real server:
 
-* ``GET /health``: empty body; 503 while starting (the real one warms up with a
-  generation first), 200 once up;
+* ``GET /health``: empty body; 503 while starting, 200 once up; the real one then
+  answers by generating one token, so it is 503 too while weights or KV cache are
+  released;
 * ``GET /v1/models``: ``{"object": "list", "data": [{"id": served name, ...}]}``;
 * ``POST /v1/chat/completions``: the model name is not checked; with
   ``stream`` the events are ``data: <json>\\n\\n``: a role chunk
@@ -14,11 +15,13 @@ same bodies, status codes and streaming format as the real server:
   ``{"object": "error", "message": ..., "type": ..., "param": null, "code": 400}``;
 * ``POST /release_memory_occupation`` / ``/resume_memory_occupation`` with
   ``{"tags": [...]}`` (``weights``, ``kv_cache``, ``cuda_graph``; none means all):
-  200 with ``null``; without ``--enable-memory-saver`` they do nothing; resuming
-  a tag that was not released kills the server (the real scheduler raises);
+  200 with ``null``; released tags are tracked with or without
+  ``--enable-memory-saver``; resuming a tag that was not released kills the server
+  (the real scheduler raises);
 * ``POST /update_weights_from_disk`` ``{"model_path": ...}``: 200
   ``{"success": true, "message": "Succeeded to update model weights.", "num_paused_requests": 0}``,
-  400 with ``success: false`` otherwise; on success the served name becomes the path.
+  400 with ``success: false`` otherwise (weights released or not: the real server does
+  not check); on success the served name becomes the path.
 
 The reply is a deterministic function of the weights file's bytes and the
 prompt, so a restore that brought back the wrong weights answers differently.
@@ -91,7 +94,8 @@ def make_handler(state: State):
 
         def do_GET(self):
             if self.path in ("/health", "/health_generate"):
-                self._send(200 if time.monotonic() >= state.ready_at else 503)
+                up = time.monotonic() >= state.ready_at and not state.released & {"weights", "kv_cache"}
+                self._send(200 if up else 503)
             elif self.path == "/v1/models":
                 self._json(200, {"object": "list", "data": [{"id": state.served, "object": "model", "created": int(time.time()), "owned_by": "sglang", "root": state.served, "parent": None, "max_model_len": 2048}]})
             else:
@@ -108,22 +112,18 @@ def make_handler(state: State):
                     return self._error(400, "body required", "Bad Request")
                 tags = set(body.get("tags") or ALL_TAGS)
                 if self.path.startswith("/release"):
-                    if state.memory_saver:
-                        state.released |= tags
+                    state.released |= tags
                 else:
-                    if state.memory_saver:
-                        if not tags <= state.released:
-                            # The real scheduler raises KeyError and the server exits.
-                            print("Scheduler hit an exception: KeyError %s" % sorted(tags - state.released), flush=True)
-                            os._exit(1)
-                        state.released -= tags
+                    if not tags <= state.released:
+                        # The real scheduler raises KeyError and the server exits.
+                        print("Scheduler hit an exception: KeyError %s" % sorted(tags - state.released), flush=True)
+                        os._exit(1)
+                    state.released -= tags
                 return self._json(200, None)
             if self.path == "/update_weights_from_disk":
                 path = (body or {}).get("model_path")
                 if not path or not Path(path).is_dir():
-                    return self._json(400, {"success": False, "message": "Failed to get weights iterator: %s not found" % path, "num_paused_requests": 0})
-                if "weights" in state.released:
-                    return self._json(400, {"success": False, "message": "Failed to update weights: weights memory is released", "num_paused_requests": 0})
+                    return self._json(400, {"success": False, "message": "Failed to get weights iterator: %s not found." % path, "num_paused_requests": 0})
                 state.weights_digest = state._digest(path)
                 state.model_path = state.served = path
                 return self._json(200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0})
@@ -134,7 +134,7 @@ def make_handler(state: State):
                 return self._error(400, "Unsupported Media Type: Only 'application/json' is allowed", "Bad Request")
             messages = req.get("messages") or []
             if not messages:
-                return self._error(400, "messages must not be empty", "BadRequest")
+                return self._error(400, "Messages cannot be empty.", "BadRequestError")
             if state.released & {"weights", "kv_cache"}:
                 return self._error(500, "memory is released: resume it first", "InternalServerError")
             model = req.get("model", "default")
