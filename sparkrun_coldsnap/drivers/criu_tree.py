@@ -21,6 +21,7 @@ import functools
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -243,6 +244,10 @@ def restore(
         for p in placed:
             p.unlink(missing_ok=True)
         raise RestoreError("criu restore of unit %s failed after %.1f s: %s" % (unit.name, time.monotonic() - t, log_tail(images / RESTORE_LOG)))
+    if daemon is not None and owned_dir is not None and daemon.poll() is not None:
+        # A small tree's pages can all be delivered before criu restore has finished writing
+        # its statistics there: the daemon's removal then raced it, so remove again.
+        shutil.rmtree(owned_dir, ignore_errors=True)
     try:
         return int(pidfile.read_text().strip()), daemon is not None and owned_dir is not None
     except (OSError, ValueError) as err:
