@@ -3,18 +3,21 @@
 # prepare_carry.sh made travels in pieces (each command carries at most 64 MiB) and is
 # assembled under $WORK, outside the work tree, where it stays while the machine is held.
 #   bash benchmarks/gpu/device.sh stash      # keep this call's carried pieces in $WORK
-#   bash benchmarks/gpu/device.sh install    # assemble vLLM, install both targets, unpack CRIU
+#   bash benchmarks/gpu/device.sh plugin     # install the plugin's target, unpack CRIU
+#   bash benchmarks/gpu/device.sh engine     # assemble vLLM, install the engine's target
+#   bash benchmarks/gpu/device.sh sglang     # assemble SGLang's wheels (prepare_carry_sglang.sh), install its target
 #   bash benchmarks/gpu/device.sh env        # print the environment lines the other steps use
 set -euo pipefail
 WORK=${COLDSNAP_GPU_WORK:-/root/coldsnap-gpu}
 CARRY=.carry/gpu
-mkdir -p "$WORK/pieces" "$WORK/engine-wheels" "$WORK/plugin-wheels" "$WORK/criu-debs"
+mkdir -p "$WORK/pieces" "$WORK/engine-wheels" "$WORK/plugin-wheels" "$WORK/criu-debs" "$WORK/sglang-wheels"
 
 stash() {
   [ -d $CARRY/vllm ] && cp -v $CARRY/vllm/* "$WORK/pieces/" || true
   [ -d $CARRY/engine ] && cp $CARRY/engine/*.whl "$WORK/engine-wheels/" || true
   [ -d $CARRY/plugin ] && cp $CARRY/plugin/*.whl "$WORK/plugin-wheels/" || true
   [ -d $CARRY/criu ] && cp $CARRY/criu/*.deb "$WORK/criu-debs/" || true
+  for part in .carry/gpu-sglang/part*; do [ -d "$part" ] && cp "$part"/* "$WORK/sglang-wheels/"; done
   du -sh "$WORK"/*
 }
 
@@ -34,11 +37,19 @@ install_engine() {
   PYTHONPATH="$WORK/engine-site" python3 -c "import vllm; print('vllm', vllm.__version__)"
 }
 
+install_sglang() {
+  # SGLang in a target of its own (it pins other transformers, xgrammar and openai releases).
+  (cd "$WORK/sglang-wheels" && for n in *.NAME; do cat "${n%.NAME}".part* > "$(cat "$n")"; done && sha256sum -c --quiet SHA256SUMS)
+  python3 -m pip install --quiet --no-deps --no-index --no-compile --target "$WORK/sglang-site" "$WORK"/sglang-wheels/*.whl
+  PYTHONPATH="$WORK/sglang-site" python3 -c "import sglang, sgl_kernel, transformers; print('sglang', sglang.__version__, 'transformers', transformers.__version__)"
+}
+
 case "${1:-}" in
   stash) stash ;;
   plugin) install_plugin ;;
   engine) install_engine ;;
+  sglang) install_sglang ;;
   env)
     echo "export COLDSNAP_HOME=$WORK/coldsnap-home PYTHONPATH=$WORK/plugin-site PATH=$WORK/plugin-site/bin:\$PATH SPARKRUN_NO_TELEMETRY=1 HF_HUB_OFFLINE=1" ;;
-  *) echo "usage: $0 stash|plugin|engine|env" >&2; exit 2 ;;
+  *) echo "usage: $0 stash|plugin|engine|sglang|env" >&2; exit 2 ;;
 esac

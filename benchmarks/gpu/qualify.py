@@ -56,22 +56,29 @@ def make_model(work: Path, shape: str, python: str, device: str) -> dict:
     return info
 
 
-def workload(info: dict, driver: str, engine_site: str, extra_args: str, python: str, weights: str = "auto") -> rq.Workload:
-    command = (
-        "%s -m vllm.entrypoints.openai.api_server --model %s --served-model-name %s --port %d "
-        "--gpu-memory-utilization 0.3 --max-model-len 2048 --disable-custom-all-reduce %s" % (python, info["path"], info["model_id"], PORT, extra_args)
-    ).strip()
-    env = {
-        # The engine's own packages, apart from the plugin's (sparkrun pins another pydantic).
-        "PYTHONPATH": engine_site,
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_USE_FLASHINFER_SAMPLER": "0",
-    }
+# The same budget for both engines: 30% of the GPU, 2048 tokens of context, no custom all-reduce.
+COMMANDS = {
+    "vllm": "{python} -m vllm.entrypoints.openai.api_server --model {path} --served-model-name {name} --port {port} "
+    "--gpu-memory-utilization 0.3 --max-model-len 2048 --disable-custom-all-reduce {extra}",
+    # The PyTorch sampler: flashinfer's would JIT-compile its kernels at the first request.
+    "sglang": "{python} -m sglang.launch_server --model-path {path} --served-model-name {name} --port {port} "
+    "--mem-fraction-static 0.3 --context-length 2048 --disable-custom-all-reduce --sampling-backend pytorch {extra}",
+}
+
+ENGINE_ENV = {
+    "vllm": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"},
+    "sglang": {},
+}
+
+
+def workload(info: dict, driver: str, engine_site: str, extra_args: str, python: str, weights: str = "auto", engine: str = "vllm") -> rq.Workload:
+    command = COMMANDS[engine].format(python=python, path=info["path"], name=info["model_id"], port=PORT, extra=extra_args).strip()
+    # The engine's own packages, apart from the plugin's (sparkrun pins another pydantic).
+    env = {"PYTHONPATH": engine_site, "HF_HUB_OFFLINE": "1", **ENGINE_ENV[engine]}
     return rq.Workload(
-        recipe="qual-vllm-%s" % info["model_id"].split("-")[-1],
-        engine="vllm",
-        runtime="vllm",
+        recipe="qual-%s-%s" % (engine, info["model_id"].split("-")[-1]),
+        engine=engine,
+        runtime=engine,
         model=rq.ModelRef(id=info["model_id"], revision=info["revision"], path=info["path"]),
         topology=rq.Topology(hosts=("localhost",), units=(rq.LaunchUnit(name="solo", host="localhost"),)),
         launch=rq.Launch(executor="local", command=command, env=env, port=PORT),
@@ -82,9 +89,9 @@ def workload(info: dict, driver: str, engine_site: str, extra_args: str, python:
 
 def requests_for(args, driver: str, weights: str = "auto") -> tuple[rq.CaptureRequest, rq.RestoreRequest]:
     info = model_info(args.work)
-    w = workload(info, driver, args.engine_site, args.extra_args, args.engine_python, weights)
+    w = workload(info, driver, args.engine_site, args.extra_args, args.engine_python, weights, args.engine)
     v = rq.ValidationSpec(prompt=PROMPT, max_tokens=16, timeout_seconds=300)
-    name = rq.CapsuleName(name="qual-%s" % driver)
+    name = rq.CapsuleName(name="qual-%s-%s" % (args.engine, driver))
     cap = rq.CaptureRequest(workload=w, validation=v, capsule=name, ready_timeout_seconds=1200)
     res = rq.RestoreRequest(workload=w, validation=v, capsule=name, on_missing="fail", workload_name="qual", ready_timeout_seconds=1200)
     return cap, res
@@ -206,6 +213,7 @@ def main() -> None:
     ap.add_argument("--paths", type=lambda s: [d for d in s.split(",") if d], default=["n610:native", "n610:recovery", "n580"], help="driver[:weights] to restore by")
     ap.add_argument("--restore-gpus", default="1", help="other-gpu: CUDA_VISIBLE_DEVICES of the restoring side")
     ap.add_argument("--samples", type=int, default=3)
+    ap.add_argument("--engine", choices=sorted(COMMANDS), default="vllm")
     ap.add_argument("--engine-site", default="", help="PYTHONPATH of the engine's carried packages")
     ap.add_argument("--extra-args", default="", help="more engine flags")
     ap.add_argument("--engine-python", default="python3", help="the engine's interpreter")
