@@ -11,7 +11,7 @@ from pathlib import Path
 
 from sparkrun_coldsnap import weights
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
-from sparkrun_coldsnap.capsule.config import CapsuleConfig, CapturedValidation, EngineRecord, WeightsRecord
+from sparkrun_coldsnap.capsule.config import CapsuleConfig, CapturedValidation, EngineRecord, NativePayload, WeightsRecord
 from sparkrun_coldsnap.capsule.pack import pack_unit
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.compat import Fingerprint, TopologyFacts
@@ -28,7 +28,10 @@ def make_model(directory: Path, size: int = 3 << 20) -> Path:
     return directory
 
 
-def make_capsule(store: CapsuleStore, tmp: Path, name: str = "synthetic", *, tag: str = "latest", pages_mb: int = 6, model_dir: Path | None = None) -> capsule_mod.Capsule:
+def make_capsule(
+    store: CapsuleStore, tmp: Path, name: str = "synthetic", *, tag: str = "latest", pages_mb: int = 6, model_dir: Path | None = None,
+    native: NativePayload | None = None,
+) -> capsule_mod.Capsule:  # fmt: skip
     images = tmp / ("images-" + name)
     images.mkdir(parents=True, exist_ok=True)
     (images / "core-1.img").write_bytes(os.urandom(4096))
@@ -62,7 +65,7 @@ def make_capsule(store: CapsuleStore, tmp: Path, name: str = "synthetic", *, tag
         engine=EngineRecord(name="vllm", version="0.32.0"),
         driver="cpu",
         validation=CapturedValidation(prompt="hi", max_tokens=4, reply="hello"),
-        weights=WeightsRecord(location="external" if model_dir else "in-image", model_id="test/model", revision=REVISION, files=files),
+        weights=WeightsRecord(location="external" if model_dir else "in-image", model_id="test/model", revision=REVISION, files=files, native=native),
         units=(UnitImage(name="solo", host="localhost", driver="cpu", root_pid=1000, pids=(2**22 + 1000,), pid_namespace=False),),
     )
     capsule_mod.publish(store, layers, config)

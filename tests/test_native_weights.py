@@ -22,7 +22,6 @@ from sparkrun_coldsnap.errors import EngineError
 from sparkrun_coldsnap.launch.engine_env import EngineEnv
 from sparkrun_coldsnap.launch.local import kill_tree, start_unit
 
-pytestmark = pytest.mark.engine
 PROMPT = "Reply with one short sentence: what is a cold start?"
 
 
@@ -64,6 +63,7 @@ def test_launch_mixes_the_extension_into_vllm_workers():
     assert command.count("--worker-extension-cls") == 1
 
 
+@pytest.mark.engine
 def test_export_seal_and_read_back_replace_the_served_weights(engine, monkeypatch, tmp_path):
     adapter, endpoint, _ = engine
     monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "home"))
@@ -97,6 +97,7 @@ def test_export_seal_and_read_back_replace_the_served_weights(engine, monkeypatc
     assert record.digest[:19] in problem and "does not match" in problem
 
 
+@pytest.mark.engine
 def test_a_payload_of_another_model_is_refused_by_the_engine(engine, tmp_path):
     adapter, endpoint, _ = engine
     (tmp_path / "rank-0.json").write_text('{"format": 1, "rank": 0, "bytes": 4, "tensors": [{"name": "x", "offset": 0, "nbytes": 4}]}')
@@ -121,3 +122,26 @@ def test_auto_falls_back_to_recovery_and_says_why(monkeypatch, tmp_path):
     assert native.problem.startswith("weights: native: native weight payload sha256:abababab") and "weights: auto or recovery" in native.problem
     assert weight_paths.choose(Cfg, "recovery", adapter).path == "recovery"
     assert "not a weight path" in weight_paths.choose(Cfg, "in-image", adapter).problem
+
+
+def test_inspect_says_whether_the_native_payload_is_here(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from capsule_factory import make_capsule, make_model
+    from sparkrun_coldsnap.capsule.store import CapsuleStore
+    from sparkrun_coldsnap.cli.store_verbs import inspect
+
+    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "home"))
+    staged = tmp_path / "home" / "native" / ".staging-test"
+    staged.mkdir(parents=True)
+    (staged / "rank-0.bin").write_bytes(bytes(3000))
+    (staged / "rank-0.json").write_text("{}")
+    record = native_payload.seal(staged)
+    store = CapsuleStore(tmp_path / "store")
+    make_capsule(store, tmp_path, "withnative", model_dir=make_model(tmp_path / "model"), native=record)
+    out = CliRunner().invoke(inspect, ["withnative", "--store", str(store.root)])
+    assert out.exit_code == 0 and "native weights: %s" % record.digest[:19] in out.output
+    assert "on this host, in %s" % native_payload.directory(record) in out.output
+    shutil.rmtree(native_payload.directory(record))
+    out = CliRunner().invoke(inspect, ["withnative", "--store", str(store.root)])
+    assert "not on this host (restores take recovery)" in out.output

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from sparkrun_coldsnap import native_payload
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
 from sparkrun_coldsnap.cli.common import emit_json, open_store, store_option
 from sparkrun_coldsnap.digests import short
@@ -68,6 +69,11 @@ def inspect(capsule, store, as_json):
     click.echo("request:  %s" % c.request_sha256)
     click.echo("command:  %s" % c.workload.launch.command)
     click.echo("validation: %r -> %r" % (c.validation.prompt, c.validation.reply))
+    if c.weights.native is not None:
+        d = native_payload.directory(c.weights.native)  # presence only: restores verify the digests
+        where = "on this host, in %s" % d if d.is_dir() else "not on this host (restores take recovery)"
+        size = sum(f.size for f in c.weights.native.files) / 1e6
+        click.echo("native weights: %s, %.1f MB: %s" % (short(c.weights.native.digest), size, where))
     fp = c.fingerprint
     click.echo("fingerprint: %s, kernel %s, criu %s, %s python %s torch %s, gpus %s" % (
         fp.cpu_arch, fp.kernel_release, fp.criu_version, fp.engine, fp.python_version, fp.torch_version, len(fp.gpus)))  # fmt: skip
