@@ -186,7 +186,8 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, base_env: Mapping[str, 
             store.init()
         with rb.phase("model_digests"):
             model_files = weights.record(Path(w.model.path)) if w.model.path else ()
-        command, env = r.adapter.prepare_launch(w.launch.command, launch_env(w, r, base_env), release_weights=r.driver.needs_release, native_weights=weight_paths.writes_native(w, r.driver, r.adapter))
+        native_wanted = weight_paths.writes_native(w, r.driver, r.adapter)
+        command, env = r.adapter.prepare_launch(w.launch.command, launch_env(w, r, base_env), release_weights=r.driver.needs_release, native_weights=native_wanted)
         if r.driver.boundary == "template":
             preload = tuple(m for m in os.environ.get("COLDSNAP_TEMPLATE_PRELOAD", "").split(",") if m) or r.adapter.template_preload
             command = template_command(command, module_for_script=r.adapter.console_scripts, preload=preload)
@@ -207,7 +208,7 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, base_env: Mapping[str, 
                 unit.stop(grace=10.0)
                 native = None
             else:
-                image, validation, native = _capture_serving(r, req, unit, endpoint, images, log_path, rb, progress, t0)
+                image, validation, native = _capture_serving(r, req, unit, endpoint, images, log_path, rb, progress, t0, native_wanted)
                 if w.launch.executor == "docker":
                     unit.remove()  # checkpointed and stopped; its layer is in the images now
             running = None
@@ -285,12 +286,12 @@ def _export_native(r: Resolved, req: CaptureRequest, endpoint: Endpoint, rb: Rec
     return record
 
 
-def _capture_serving(r, req, unit, endpoint, images, log_path, rb, progress, t0) -> tuple[UnitImage, Validation, NativePayload | None]:
+def _capture_serving(r, req, unit, endpoint, images, log_path, rb, progress, t0, native_wanted: bool) -> tuple[UnitImage, Validation, NativePayload | None]:
     """Validate the serving engine, write its native weights, release its device memory,
     then checkpoint it (the tree ends)."""
     _ready(r, endpoint, unit, log_path, rb, progress, req.ready_timeout_seconds)
     validation = _validated(r, endpoint, req, rb, progress, t0)
-    native = _export_native(r, req, endpoint, rb, progress) if weight_paths.writes_native(req.workload, r.driver, r.adapter) else None
+    native = _export_native(r, req, endpoint, rb, progress) if native_wanted else None
     if r.driver.needs_release:
         with rb.phase("release_memory"):
             r.adapter.release_memory(endpoint)
@@ -489,7 +490,7 @@ def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Pro
             choice = prepared.weights
             with rb.phase("hydrate"), progress.waiting("hydrating weights (%s)" % choice.path):
                 h = r.adapter.hydrate(endpoint, path=choice.path, model_dir=w.model.path or "", native_dir=str(choice.native_dir) if choice.native_dir else None)
-            source = cap.config.weights.native.files if choice.path == "native" and cap.config.weights.native else cap.config.weights.files
+            source = cap.config.weights.native.files if choice.path == "native" else cap.config.weights.files
             rb.weights = Weights(path=h.path, seconds=round(h.seconds, 4), files=len(source), bytes=sum(f.size for f in source), note=choice.note)
             if h.details:
                 rb.details["hydrate"] = list(h.details)

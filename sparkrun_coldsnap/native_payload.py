@@ -10,8 +10,6 @@ Deleting it is safe: ``weights: auto`` then falls back to the recovery path.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import os
 import shutil
 import tempfile
@@ -20,6 +18,7 @@ from typing import Iterator
 
 from sparkrun_coldsnap import paths, weights
 from sparkrun_coldsnap.capsule.config import NativePayload
+from sparkrun_coldsnap.digests import canonical_json, hex_of, sha256_bytes, short
 from sparkrun_coldsnap.engines.base import EngineAdapter, Endpoint
 from sparkrun_coldsnap.errors import EngineError
 
@@ -29,7 +28,7 @@ def root() -> Path:
 
 
 def directory(record: NativePayload) -> Path:
-    return root() / record.digest.split(":", 1)[-1]
+    return root() / hex_of(record.digest)
 
 
 @contextlib.contextmanager
@@ -47,8 +46,7 @@ def seal(staged: Path) -> NativePayload:
     files = weights.record(staged)
     if not files:
         raise EngineError("the engine wrote no native payload files")
-    listing = json.dumps([f.model_dump(mode="json") for f in files], sort_keys=True).encode()
-    record = NativePayload(digest="sha256:" + hashlib.sha256(listing).hexdigest(), files=files)
+    record = NativePayload(digest=sha256_bytes(canonical_json([f.model_dump(mode="json") for f in files])), files=files)
     final = directory(record)
     if not final.is_dir():
         os.chmod(staged, 0o755)
@@ -67,8 +65,8 @@ def problems(record: NativePayload) -> list[str]:
     """What stops this host from reading *record* (empty: present and matching)."""
     d = directory(record)
     if not d.is_dir():
-        return ["native weight payload %s is not on this host (looked in %s)" % (record.digest[:19], d)]
+        return ["native weight payload %s is not on this host (looked in %s)" % (short(record.digest), d)]
     damaged = weights.verify(d, record.files)
     if damaged:
-        return ["native weight payload %s in %s does not match the capsule (%d file(s) differ)" % (record.digest[:19], d, len(damaged))]
+        return ["native weight payload %s in %s does not match the capsule (%d file(s) differ)" % (short(record.digest), d, len(damaged))]
     return []

@@ -132,7 +132,6 @@ def launch_env_of(actx: Any) -> dict[str, str]:
     """The environment sparkrun's own launch would give the engine (host paths for host processes)."""
     from sparkrun.core.launch_env import compose_launch_env
     from sparkrun.orchestration.executors.local import _hostify_env
-    from sparkrun.orchestration.primitives import build_volumes, resolved_model_volume
 
     plan = actx.execution.plan
     runtime, recipe = plan.runtime, plan.recipe
@@ -143,7 +142,7 @@ def launch_env_of(actx: Any) -> dict[str, str]:
         runtime_extra=runtime.get_extra_env(),
     )
     if executor_name(actx) == "local":
-        volumes = build_volumes(actx.effective_cache_dir, extra={**runtime.get_extra_volumes(), **resolved_model_volume(recipe)})
+        volumes = container_volumes(actx)
         env = _hostify_env(env, volumes) or env
     return {str(k): str(v) for k, v in env.items()}
 

@@ -96,9 +96,9 @@ def store(tmp_path) -> Path:
     return tmp_path / "store"
 
 
-def write_recipe(tmp_path: Path, *, coldsnap: str | None = None, replace: dict[str, str] | None = None, name: str = "tiny.yaml") -> Path:
-    """A copy of the embedded default recipe with edits, for bad-input tests."""
-    text = RECIPE.read_text()
+def write_recipe(tmp_path: Path, *, coldsnap: str | None = None, replace: dict[str, str] | None = None, name: str = "tiny.yaml", source: Path = RECIPE) -> Path:
+    """A copy of a project recipe (the embedded default unless told) with edits."""
+    text = source.read_text()
     for old, new in (replace or {}).items():
         assert old in text, old
         text = text.replace(old, new)

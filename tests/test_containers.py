@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import requests
 
-from conftest import RECIPE, Sparkrun, base_env, require_engine, write_recipe
+from conftest import RECIPE, require_engine, write_recipe
 
 pytestmark = pytest.mark.engine
 DOCKER_RECIPE = RECIPE.with_name("tiny-vllm-cpu-docker.yaml")
@@ -41,11 +41,8 @@ def ask() -> str:
 
 
 def docker_recipe(tmp_path, store):
-    text = DOCKER_RECIPE.read_text()
-    text = text[: text.index("coldsnap:")] + "coldsnap:\n  capsule:\n    name: tiny-docker\n    store: %s\n  validation:\n    prompt: %r\n    max_tokens: 16\n" % (store, PROMPT)
-    path = tmp_path / "tiny-docker.yaml"
-    path.write_text(text)
-    return path
+    block = "coldsnap:\n  capsule:\n    name: tiny-docker\n    store: %s\n  validation:\n    prompt: %r\n    max_tokens: 16\n" % (store, PROMPT)
+    return write_recipe(tmp_path, coldsnap=block, name="tiny-docker.yaml", source=DOCKER_RECIPE)
 
 
 def test_capture_in_a_container_restore_into_a_new_one(sparkrun, tmp_path):
@@ -73,7 +70,8 @@ def test_capture_in_a_container_restore_into_a_new_one(sparkrun, tmp_path):
     assert len(running) == 1 and running[0]["Names"].startswith("sparkrun_") and running[0]["Names"].endswith("_solo")
     labels = docker("inspect", "--format", "{{json .Config.Labels}}", running[0]["Names"]).stdout
     assert json.loads(labels)["sparkrun.distribution"] == "sparkrun"
-    assert running[0]["Names"] in sparkrun("status", "-H", "localhost").stdout or "tiny-docker.yaml" in sparkrun("status", "-H", "localhost").stdout
+    status = sparkrun("status", "-H", "localhost").stdout
+    assert running[0]["Names"] in status or "tiny-docker.yaml" in status
     logs = sparkrun("logs", str(recipe), "-H", "localhost", "-n", "5", check=False)
     assert logs.returncode == 0, logs.stderr
     sparkrun("stop", str(recipe), "-H", "localhost")

@@ -17,18 +17,13 @@ from pathlib import Path
 import pytest
 import requests
 
+from registry_fixtures import free_port
 from sparkrun_coldsnap.drivers import tree_inspect
 from sparkrun_coldsnap.drivers.cpu import CpuDriver
 from sparkrun_coldsnap.launch.iouring import SYSCTL, io_uring_disabled
 from sparkrun_coldsnap.launch.local import kill_tree, start_unit, tree_pids
 
 SERVER = Path(__file__).parent / "workloads" / "server.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, timeout: float = 30) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from sparkrun_coldsnap.drivers import cuda_checkpoint as cc
-from sparkrun_coldsnap.drivers.n610 import pid_problems
+from sparkrun_coldsnap.drivers.criu_tree import pid_problems
 from sparkrun_coldsnap.drivers.nvidia import checkpoint_api_problem
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
 from sparkrun_coldsnap.hostinfo import GpuFacts, HostFacts

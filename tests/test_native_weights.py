@@ -10,10 +10,10 @@ back really replaces the weights the engine serves with.
 from __future__ import annotations
 
 import shutil
-import socket
 
 import pytest
 
+from registry_fixtures import free_port
 from conftest import hf_home, require_engine
 from sparkrun_coldsnap import native_payload, plugins, weight_paths
 from sparkrun_coldsnap.capsule.config import ModelFile, NativePayload
@@ -23,12 +23,6 @@ from sparkrun_coldsnap.launch.engine_env import EngineEnv
 from sparkrun_coldsnap.launch.local import kill_tree, start_unit
 
 PROMPT = "Reply with one short sentence: what is a cold start?"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,13 @@ through `sparkrun coldsnap capture` and `sparkrun run` like the vLLM one.
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import requests
 
+from registry_fixtures import free_port
 from conftest import RECIPE, hf_home
 from sparkrun_coldsnap import plugins
 from sparkrun_coldsnap.engines.base import Endpoint
@@ -23,12 +23,6 @@ from sparkrun_coldsnap.errors import EngineError
 from sparkrun_coldsnap.launch.local import kill_tree, start_unit
 
 FAKE = Path(__file__).parent / "fakes" / "fake_sglang.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model_dir(tmp_path: Path, payload: bytes = b"weights-v1") -> Path:

@@ -7,9 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-.carry/gpu}
 mkdir -p "$OUT/engine" "$OUT/plugin" "$OUT/criu" "$OUT/vllm"
-PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --platform any --platform linux_x86_64
-      --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
-for x in 5 12 17 24 26 27 28 31 34 35; do PLAT+=(--platform "manylinux_2_${x}_x86_64"); done
+source benchmarks/gpu/platform.sh
 
 # vLLM 0.26.0 pins torch 2.11.0 and CUDA 13, like the GPU machine's own torch: only what that
 # machine lacks is carried (the set a by-hand run needed), installed with --no-deps.

@@ -12,9 +12,7 @@ OUT=${1:-.carry/gpu-sglang}
 LIMIT=$((60 * 1024 * 1024))
 rm -rf "$OUT"/part* "$OUT/whole" "$OUT/pieces"
 mkdir -p "$OUT/whole" "$OUT/pieces"
-PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --platform any --platform linux_x86_64
-      --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
-for x in 5 12 17 24 26 27 28 31 34 35; do PLAT+=(--platform "manylinux_2_${x}_x86_64"); done
+source benchmarks/gpu/platform.sh
 
 # SGLang 0.5.17 is the newest release that pins torch 2.11.0 (and torchaudio 2.11.0), the machine's
 # own; sglang-kernel 0.4.5 is its CUDA 13 build; torch-memory-saver ships CUDA 13 hooks

@@ -31,6 +31,7 @@ from sparkrun_coldsnap.capsule.store import CapsuleStore  # noqa: E402
 from sparkrun_coldsnap.errors import ColdsnapError  # noqa: E402
 from sparkrun_coldsnap.drivers import nvidia  # noqa: E402
 from sparkrun_coldsnap.hostinfo import gpu_facts  # noqa: E402
+from sparkrun_coldsnap.launch.local import tree_pids  # noqa: E402
 from sparkrun_coldsnap.progress import Progress  # noqa: E402
 from sparkrun_coldsnap.receipts import write_receipt  # noqa: E402
 
@@ -189,7 +190,7 @@ def cmd_other_gpu(args) -> None:
         try:
             prepared = controller.prepare_restore(res, store=store, progress=Progress())
             out = controller.activate_restore(prepared, log_path=log_dir / ("other-gpu-%s.log" % label.replace(" ", "-")), progress=Progress())
-            run.update(ttft_seconds=out.ttft_seconds, validated=bool(out.receipt.validation and out.receipt.validation.passed), gpus_after=nvidia.gpus_of(out.root_pid))
+            run.update(ttft_seconds=out.ttft_seconds, validated=bool(out.receipt.validation and out.receipt.validation.passed), gpus_after=nvidia.gpus_of(tree_pids(out.root_pid)))
             run["phases"] = {p.name: p.seconds for p in out.receipt.phases}
             run["weights"] = out.receipt.weights.model_dump(mode="json") if out.receipt.weights else None
             out.unit.stop()

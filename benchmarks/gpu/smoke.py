@@ -9,7 +9,6 @@ before and after) to OUT.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,7 +18,6 @@ import requests
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from sparkrun_coldsnap.drivers import cuda_checkpoint  # noqa: E402
 from sparkrun_coldsnap.drivers.n610 import N610Driver  # noqa: E402
 from sparkrun_coldsnap.drivers.nvidia import gpus_of  # noqa: E402
 from sparkrun_coldsnap.hostinfo import host_facts  # noqa: E402
@@ -61,7 +59,7 @@ def main() -> None:
         before = ask(args.port)
     report["start_seconds"] = time.monotonic() - t
     report["checksum_before"] = before
-    report["gpus_before"] = gpus_of(unit.root_pid)
+    report["gpus_before"] = gpus_of(tree_pids(unit.root_pid))
     try:
         report["precheck"] = driver.precheck(unit.root_pid)
         t = time.monotonic()
@@ -85,7 +83,7 @@ def main() -> None:
         after = ask(args.port)
         report["reply_seconds_after_restore"] = time.monotonic() - t
         report["checksum_after"] = after
-        report["gpus_after"] = gpus_of(restored.root_pid)
+        report["gpus_after"] = gpus_of(tree_pids(restored.root_pid))
         report["passed"] = after == before
         kill_tree(restored.root_pid)
     except Exception as err:  # noqa: BLE001 - the report says what broke

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import socket
 from pathlib import Path
 
@@ -24,8 +23,9 @@ def configure_sparkrun(*, cluster: str = "coldsnap-local") -> None:
     _step("enabling the coldsnap plugin and sparkrun's local executor")
     run([*sr, "plugins", "enable", "coldsnap"], timeout=120, what="sparkrun plugins enable coldsnap")
     run([*sr, "setup", "features", "enable", "executor.local"], timeout=120, what="sparkrun setup features enable executor.local")
-    docker = run(["docker", "info"], timeout=30, check=False) if shutil.which("docker") else None
-    if docker is None or docker.returncode != 0:
+    from sparkrun_coldsnap.launch.docker import daemon_running
+
+    if not daemon_running():
         # Without a daemon sparkrun's status/stop fail on the docker executor's probe.
         _step("no docker daemon here: disabling sparkrun's docker executor (re-enable: sparkrun setup features enable executor.docker)")
         run([*sr, "setup", "features", "disable", "executor.docker"], timeout=120, what="sparkrun setup features disable executor.docker")

@@ -21,7 +21,6 @@ from typing import Any
 from sparkrun_coldsnap.drivers import criu_tree, tree_inspect
 from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, SnapshotDriver, Support, UnitImage
 from sparkrun_coldsnap.drivers.criu_tool import Criu
-from sparkrun_coldsnap.drivers.n610 import pid_problems
 from sparkrun_coldsnap.errors import ToolError
 from sparkrun_coldsnap.hookspecs import hookimpl
 from sparkrun_coldsnap.hostinfo import HostFacts
@@ -53,8 +52,7 @@ class CpuDriver(SnapshotDriver):
 
     def admission(self, unit: UnitImage) -> list[str]:
         criu_tree.lazy_pages_supported(Criu.locate())  # probed now, off the restore clock
-        pids = pid_problems(unit.pids) if not unit.pid_namespace else []
-        return pids + criu_tree.shared_file_problems(unit)
+        return criu_tree.restore_problems(unit)
 
     def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None, warm: Any = None) -> RestoredUnit:
         criu = Criu.locate()

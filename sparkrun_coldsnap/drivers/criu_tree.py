@@ -142,6 +142,33 @@ def users_of(paths: set[str]) -> dict[str, list[str]]:
     return found
 
 
+def pid_problems(pids: tuple[int, ...], *, zombie_wait: float = 5.0) -> list[str]:
+    """Captured host PIDs that some process (even a zombie) holds now.
+
+    A zombie of a just-stopped workload is usually reaped within a second or
+    two by the host's init: it is given *zombie_wait* seconds before it counts.
+    """
+    deadline = time.monotonic() + zombie_wait
+    while True:
+        held = []
+        for pid in pids:
+            try:
+                p = psutil.Process(pid)
+                held.append((pid, p.name(), p.status()))
+            except psutil.NoSuchProcess:
+                continue
+        if not held or any(status != psutil.STATUS_ZOMBIE for _, _, status in held) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    return ["captured PID %d is taken by %s (%s): restore needs it free; stop that process" % held_pid for held_pid in held]
+
+
+def restore_problems(unit: UnitImage) -> list[str]:
+    """What on this host stops *unit* from coming back: its captured PIDs (a tree restored
+    into the host PID namespace needs them free) and its shared files in use."""
+    return ([] if unit.pid_namespace else pid_problems(unit.pids)) + shared_file_problems(unit)
+
+
 def shared_file_problems(unit: UnitImage) -> list[str]:
     paths = {f.path for f in unit.shared_files}
     return [

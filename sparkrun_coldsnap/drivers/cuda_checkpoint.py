@@ -48,7 +48,11 @@ class HelperProcess:
     or earlier still, during preparation.
     """
 
-    def __init__(self, python: str, *, env: dict[str, str] | None = None) -> None:
+    def __init__(self, python: str | None = None) -> None:
+        python = python or helper_python()
+        # It must see every GPU, whatever the plugin was started with: the driver checks the
+        # captured UUIDs against the caller's, and a restore may move the workload.
+        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
         try:
             self.proc = subprocess.Popen(
                 [python, str(HELPER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env
@@ -106,13 +110,18 @@ class HelperProcess:
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
-                self._call({"op": "quit"})
-            except (ToolError, CudaCallError, BrokenPipeError, ValueError):
+                self._send({"op": "quit"})  # no answer comes: the helper just ends
+            except (BrokenPipeError, ValueError):
                 pass
             try:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self.kill()
+
+    def kill(self) -> None:
+        """End it at once, initialized or not."""
+        self.proc.kill()
+        self.proc.wait()
 
 
 def helper_python() -> str:
@@ -221,11 +230,6 @@ def visible_uuids(spec: str | None, uuids: Sequence[str]) -> list[str]:
             break
         out.append(named[0])
     return out
-
-
-def helper_env_without_visibility() -> dict[str, str]:
-    """The environment for a helper that must see every GPU, whatever the plugin was started with."""
-    return {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
 
 
 def workload_gpus(visible: Sequence[str], held: Sequence[str]) -> list[str]:

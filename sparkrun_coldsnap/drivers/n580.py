@@ -19,7 +19,6 @@ from typing import Any
 from sparkrun_coldsnap.drivers import criu_tree, tree_inspect
 from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, SnapshotDriver, Support, UnitImage
 from sparkrun_coldsnap.drivers.criu_tool import Criu
-from sparkrun_coldsnap.drivers.n610 import pid_problems
 from sparkrun_coldsnap.drivers.nvidia import driver_major
 from sparkrun_coldsnap.errors import CaptureError, EngineError, RequestError, ToolError
 from sparkrun_coldsnap.hookspecs import hookimpl
@@ -92,7 +91,7 @@ class N580Driver(SnapshotDriver):
             raise CaptureError("the template process %d is gone" % root_pid) from err
 
     def admission(self, unit: UnitImage) -> list[str]:
-        return pid_problems(unit.pids) + criu_tree.shared_file_problems(unit)
+        return criu_tree.restore_problems(unit)
 
     def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None, warm: Any = None) -> RestoredUnit:
         pid, handed = criu_tree.restore(Criu.locate(), unit, images, log_path=log_path, progress=progress, lazy=False)

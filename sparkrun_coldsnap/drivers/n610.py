@@ -14,7 +14,6 @@ holding one.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,25 +28,9 @@ from sparkrun_coldsnap.hostinfo import HostFacts
 from sparkrun_coldsnap.launch.local import kill_tree, tree_pids
 
 
-def pid_problems(pids: tuple[int, ...], *, zombie_wait: float = 5.0) -> list[str]:
-    """Captured host PIDs that some process (even a zombie) holds now.
-
-    A zombie of a just-stopped workload is usually reaped within a second or
-    two by the host's init: it is given *zombie_wait* seconds before it counts.
-    """
-    deadline = time.monotonic() + zombie_wait
-    while True:
-        held = []
-        for pid in pids:
-            try:
-                p = psutil.Process(pid)
-                held.append((pid, p.name(), p.status()))
-            except psutil.NoSuchProcess:
-                continue
-        if not held or any(status != psutil.STATUS_ZOMBIE for _, _, status in held) or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    return ["captured PID %d is taken by %s (%s): restore needs it free; stop that process" % held_pid for held_pid in held]
+def _lazy_wanted() -> bool:
+    """Memory on demand is opt-in for n610 (it was slower on the GPU machine)."""
+    return os.environ.get("COLDSNAP_N610_LAZY_PAGES") == "1"
 
 
 class N610Driver(SnapshotDriver):
@@ -78,13 +61,13 @@ class N610Driver(SnapshotDriver):
         cuda = cuda_checkpoint.cuda_processes(pids)
         if not cuda:
             raise CaptureError("no process of the workload holds a CUDA context: is the engine running on the GPU?")
-        api = cuda_checkpoint.HelperProcess(cuda_checkpoint.helper_python(), env=cuda_checkpoint.helper_env_without_visibility())
+        api = cuda_checkpoint.HelperProcess()
         try:
             # Record the GPUs the workload uses (those its CUDA_VISIBLE_DEVICES shows and it holds
             # memory on), so a restore can put it back on those or remap it onto others.
             every = api.uuids()
             visible = cuda_checkpoint.visible_uuids(psutil.Process(root_pid).environ().get("CUDA_VISIBLE_DEVICES"), every)
-            uuids = cuda_checkpoint.workload_gpus(visible, nvidia.gpus_of(root_pid))
+            uuids = cuda_checkpoint.workload_gpus(visible, nvidia.gpus_of(pids))
             progress("CUDA checkpoint of %d processes" % len(cuda))
             cuda_checkpoint.checkpoint_all(api, cuda)
             try:
@@ -98,16 +81,18 @@ class N610Driver(SnapshotDriver):
         return image.model_copy(update={"driver_data": data})
 
     def admission(self, unit: UnitImage) -> list[str]:
-        return pid_problems(unit.pids) + criu_tree.shared_file_problems(unit)
+        if _lazy_wanted():
+            criu_tree.lazy_pages_supported(Criu.locate())  # probed now, off the restore clock
+        return criu_tree.restore_problems(unit)
 
     def warm_up(self, unit: UnitImage) -> cuda_checkpoint.HelperProcess:
         # The helper's CUDA initialization takes seconds: let it happen before the clock starts.
         # It must not sit on a PID the restore needs (a young host may hand those out).
         for _ in range(8):
-            api = cuda_checkpoint.HelperProcess(cuda_checkpoint.helper_python(), env=cuda_checkpoint.helper_env_without_visibility())
+            api = cuda_checkpoint.HelperProcess()
             if api.proc.pid not in unit.pids:
                 return api
-            api.close()
+            api.kill()
         raise ToolError("the CUDA checkpoint helper keeps getting a PID the capsule needs: retry the restore")
 
     def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None, warm: Any = None) -> RestoredUnit:
@@ -119,25 +104,22 @@ class N610Driver(SnapshotDriver):
             criu = Criu.locate()
             # Memory on demand here too when asked: the CUDA restore then faults in the host
             # copy of the device state as it reads it.
-            lazy = os.environ.get("COLDSNAP_N610_LAZY_PAGES") == "1" and criu_tree.lazy_pages_supported(criu)
+            lazy = _lazy_wanted() and criu_tree.lazy_pages_supported(criu)
             pid, handed = criu_tree.restore(criu, unit, images, log_path=log_path, progress=progress, lazy=lazy, owned_dir=owned_dir)
-        except BaseException:
-            api.close()
-            raise
-        try:
-            here = api.uuids()
-            used = unit.driver_data.get("gpu_uuids", ())
-            pairs = cuda_checkpoint.gpu_pairs(
-                used,
-                unit.driver_data.get("host_gpu_uuids", used),
-                here,
-                cuda_checkpoint.visible_uuids(os.environ.get("CUDA_VISIBLE_DEVICES"), here),
-            )
-            progress("CUDA restore of %d processes%s" % (len(unit.driver_data.get("cuda_pids", ())), " onto other GPUs" if pairs else ""))
-            cuda_checkpoint.restore_all(api, unit.driver_data.get("cuda_pids", ()), pairs)
-        except BaseException:
-            kill_tree(pid, grace=2.0)
-            raise
+            try:
+                here = api.uuids()
+                used = unit.driver_data.get("gpu_uuids", ())
+                pairs = cuda_checkpoint.gpu_pairs(
+                    used,
+                    unit.driver_data.get("host_gpu_uuids", used),
+                    here,
+                    cuda_checkpoint.visible_uuids(os.environ.get("CUDA_VISIBLE_DEVICES"), here),
+                )
+                progress("CUDA restore of %d processes%s" % (len(unit.driver_data.get("cuda_pids", ())), " onto other GPUs" if pairs else ""))
+                cuda_checkpoint.restore_all(api, unit.driver_data.get("cuda_pids", ()), pairs)
+            except BaseException:
+                kill_tree(pid, grace=2.0)
+                raise
         finally:
             api.close()
         return RestoredUnit(pid, handed)

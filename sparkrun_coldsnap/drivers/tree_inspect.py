@@ -17,7 +17,8 @@ from pathlib import Path
 import psutil
 
 # Character devices any process may hold that CRIU restores by path.
-HARMLESS_DEVICES = {"/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/ptmx"}
+# "/dev/zero (deleted)" is how shared anonymous memory shows among mappings; CRIU saves it.
+HARMLESS_DEVICES = {"/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/ptmx", "/dev/zero (deleted)"}
 SHARED_MEMORY_DIRS = ("/dev/shm/",)
 
 _TCP_STATES = {"01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "04": "FIN_WAIT1", "05": "FIN_WAIT2", "06": "TIME_WAIT",
@@ -126,8 +127,6 @@ def problems(root_pid: int, *, allowed_device_prefixes: tuple[str, ...] = ()) ->
                 if is_char:
                     found.append("%s fd %d: device %s that this driver cannot capture" % (_label(p), fd, target))
         for path in mapped_paths(p.pid):
-            if path == "/dev/zero (deleted)":
-                continue  # shared anonymous memory shows as a deleted /dev/zero mapping; CRIU saves it
             if path.startswith("/dev/") and not path.startswith(SHARED_MEMORY_DIRS + allowed_device_prefixes) and path not in HARMLESS_DEVICES:
                 found.append("%s maps device %s that this driver cannot capture" % (_label(p), path))
     sockets = tcp_sockets(root_pid)

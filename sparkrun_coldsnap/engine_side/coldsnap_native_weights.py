@@ -15,6 +15,7 @@ Standard library and torch only: this runs in the engine's interpreter.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import threading
@@ -45,11 +46,16 @@ def chunks(total: int, size: int) -> list[tuple[int, int]]:
     return [(off, min(size, total - off)) for off in range(0, total, size)]
 
 
-def copies_for(chunk_off: int, chunk_len: int, tensors: list[dict[str, Any]]) -> list[tuple[int, int, int, int]]:
-    """Which bytes of a chunk go where: (tensor index, offset in chunk, offset in tensor, length)."""
+def copies_for(chunk_off: int, chunk_len: int, tensors: list[dict[str, Any]], offsets: list[int]) -> list[tuple[int, int, int, int]]:
+    """Which bytes of a chunk go where: (tensor index, offset in chunk, offset in tensor, length).
+    *offsets* are the tensors' ascending offsets (as ``layout`` lays them), so only the tensors
+    the chunk overlaps are looked at."""
     out = []
     end = chunk_off + chunk_len
-    for i, t in enumerate(tensors):
+    for i in range(max(bisect.bisect_right(offsets, chunk_off) - 1, 0), len(tensors)):
+        t = tensors[i]
+        if t["offset"] >= end:
+            break
         a, b = max(chunk_off, t["offset"]), min(end, t["offset"] + t["nbytes"])
         if a < b:
             out.append((i, a - chunk_off, a - t["offset"], b - a))
@@ -158,6 +164,7 @@ class NativeWeights:
         direct = direct and all(s.data_ptr() % ALIGN == 0 for s in slots)
         fds = (direct_fd if direct else -1, plain_fd)
         plan = chunks(index["bytes"], CHUNK)
+        offsets = [e["offset"] for e in table]
         consumed = [0]
         turn = threading.Condition()
 
@@ -176,7 +183,7 @@ class NativeWeights:
             for i, fut in enumerate(futures):
                 slot = fut.result()
                 off, n = plan[i]
-                for k, src, dst, length in copies_for(off, n, table):
+                for k, src, dst, length in copies_for(off, n, table, offsets):
                     dests[k][dst : dst + length].copy_(slot[src : src + length], non_blocking=on_gpu)
                 if on_gpu:
                     torch.cuda.current_stream().synchronize()

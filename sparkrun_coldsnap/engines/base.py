@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shlex
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping
@@ -118,21 +117,14 @@ class EngineAdapter(ABC):
         }
 
 
-def post(url: str, *, json_body: Any = None, timeout: float = 600.0, what: str):
-    """POST and require 2xx; returns the response."""
+def post(url: str, *, json_body: Any = None, timeout: float = 600.0, what: str, require_2xx: bool = True):
+    """POST (a connection of its own); returns the response, and requires 2xx unless told not to."""
     import requests
 
     try:
         r = requests.post(url, json=json_body, timeout=timeout, headers={"Connection": "close"})
     except requests.RequestException as err:
         raise EngineError("%s failed: %s" % (what, err)) from err
-    if not 200 <= r.status_code < 300:
+    if require_2xx and not 200 <= r.status_code < 300:
         raise EngineError("%s failed: HTTP %d: %s" % (what, r.status_code, r.text[:300]))
     return r
-
-
-def timed_post(url: str, *, json_body: Any = None, timeout: float = 600.0, what: str) -> float:
-    """POST and require 2xx; returns seconds taken."""
-    t = time.monotonic()
-    post(url, json_body=json_body, timeout=timeout, what=what)
-    return time.monotonic() - t

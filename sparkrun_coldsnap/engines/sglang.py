@@ -19,9 +19,7 @@ from __future__ import annotations
 import time
 from typing import Mapping
 
-import requests
-
-from sparkrun_coldsnap.engines.base import EngineAdapter, Endpoint, HydrationResult, has_flag, timed_post
+from sparkrun_coldsnap.engines.base import EngineAdapter, Endpoint, HydrationResult, has_flag, post
 from sparkrun_coldsnap.errors import EngineError
 from sparkrun_coldsnap.hookspecs import hookimpl
 
@@ -45,24 +43,22 @@ class SglangAdapter(EngineAdapter):
         return command, dict(env)
 
     def release_memory(self, endpoint: Endpoint) -> None:
-        timed_post(endpoint.base_url + "/release_memory_occupation", json_body={"tags": RELEASED}, what="SGLang release_memory_occupation")
+        post(endpoint.base_url + "/release_memory_occupation", json_body={"tags": RELEASED}, what="SGLang release_memory_occupation")
 
     def hydrate(self, endpoint: Endpoint, *, path: str, model_dir: str, native_dir: str | None = None) -> HydrationResult:
         if path != "recovery":
             raise EngineError("weight path %r is not built for SGLang: use weights: recovery (or auto)" % path)
         t = time.monotonic()
-        timed_post(endpoint.base_url + "/resume_memory_occupation", json_body={"tags": ["weights"]}, what="SGLang resume_memory_occupation(weights)")
-        try:
-            r = requests.post(endpoint.base_url + "/update_weights_from_disk", json={"model_path": model_dir}, timeout=1800, headers={"Connection": "close"})
-        except requests.RequestException as err:
-            raise EngineError("SGLang update_weights_from_disk failed: %s" % err) from err
+        post(endpoint.base_url + "/resume_memory_occupation", json_body={"tags": ["weights"]}, what="SGLang resume_memory_occupation(weights)")
+        what = "SGLang update_weights_from_disk"
+        r = post(endpoint.base_url + "/update_weights_from_disk", json_body={"model_path": model_dir}, timeout=1800, what=what, require_2xx=False)
         try:
             doc = r.json() or {}
         except ValueError:
             doc = {}
         if r.status_code != 200 or not doc.get("success"):
-            raise EngineError("SGLang update_weights_from_disk failed: HTTP %d: %s" % (r.status_code, doc.get("message") or r.text[:300]))
-        timed_post(endpoint.base_url + "/resume_memory_occupation", json_body={"tags": ["kv_cache"]}, what="SGLang resume_memory_occupation(kv_cache)")
+            raise EngineError("%s failed: HTTP %d: %s" % (what, r.status_code, doc.get("message") or r.text[:300]))
+        post(endpoint.base_url + "/resume_memory_occupation", json_body={"tags": ["kv_cache"]}, what="SGLang resume_memory_occupation(kv_cache)")
         return HydrationResult("recovery", time.monotonic() - t)
 
 

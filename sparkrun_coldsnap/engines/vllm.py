@@ -21,7 +21,7 @@ import time
 from typing import Any, Mapping
 
 from sparkrun_coldsnap.engine_side import DIRECTORY as ENGINE_SIDE_DIR
-from sparkrun_coldsnap.engines.base import EngineAdapter, Endpoint, HydrationResult, has_flag, post, timed_post
+from sparkrun_coldsnap.engines.base import EngineAdapter, Endpoint, HydrationResult, has_flag, post
 from sparkrun_coldsnap.errors import EngineError
 from sparkrun_coldsnap.hookspecs import hookimpl
 
@@ -51,7 +51,7 @@ class VllmAdapter(EngineAdapter):
         return command, env
 
     def release_memory(self, endpoint: Endpoint) -> None:
-        timed_post(endpoint.base_url + "/sleep?level=2", what="vLLM sleep (level 2)")
+        post(endpoint.base_url + "/sleep?level=2", what="vLLM sleep (level 2)")
 
     def _rpc(self, endpoint: Endpoint, method: str, *args: str) -> tuple[dict[str, Any], ...]:
         r = post(endpoint.base_url + "/collective_rpc", json_body={"method": method, "args": list(args)}, timeout=1800, what="vLLM %s" % method)
@@ -70,13 +70,13 @@ class VllmAdapter(EngineAdapter):
         if path == "native" and not native_dir:
             raise EngineError("weight path native needs the payload's directory")
         t = time.monotonic()
-        timed_post(endpoint.base_url + "/wake_up?tags=weights", what="vLLM wake_up(weights)")
+        post(endpoint.base_url + "/wake_up?tags=weights", what="vLLM wake_up(weights)")
         if path == "native":
             details = self._rpc(endpoint, "coldsnap_load_native", str(native_dir))
         else:
-            timed_post(endpoint.base_url + "/collective_rpc", json_body={"method": "reload_weights"}, timeout=1800, what="vLLM reload_weights")
+            post(endpoint.base_url + "/collective_rpc", json_body={"method": "reload_weights"}, timeout=1800, what="vLLM reload_weights")
             details = ()
-        timed_post(endpoint.base_url + "/wake_up?tags=kv_cache", what="vLLM wake_up(kv_cache)")
+        post(endpoint.base_url + "/wake_up?tags=kv_cache", what="vLLM wake_up(kv_cache)")
         return HydrationResult(path, time.monotonic() - t, details)
 
 

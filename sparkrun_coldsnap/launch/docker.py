@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shlex
 import shutil
 import subprocess
 import tarfile
@@ -38,6 +37,7 @@ from pathlib import Path
 from typing import Mapping
 
 from sparkrun_coldsnap.errors import RestoreError, ToolError
+from sparkrun_coldsnap.launch.local import last_line
 from sparkrun_coldsnap.proc import Completed, run
 
 LOG_IN_CONTAINER = "/tmp/sparkrun_serve.log"
@@ -70,6 +70,28 @@ RUNC_CRIU_CONF = Path("/etc/criu/runc.conf")
 RUNC_CRIU_OPTIONS = ("link-remap", "ghost-limit 256M")
 
 
+def runc_conf_lines() -> list[str]:
+    try:
+        return [l for l in RUNC_CRIU_CONF.read_text().splitlines() if l.strip()]
+    except OSError:
+        return []
+
+
+def missing_runc_options() -> list[str]:
+    """The options runc's CRIU needs that its configuration does not set (by option name)."""
+    keys = {l.split()[0] for l in runc_conf_lines()}
+    return [opt for opt in RUNC_CRIU_OPTIONS if opt.split()[0] not in keys]
+
+
+def daemon_running() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    try:
+        return docker("info", check=False, timeout=30).returncode == 0
+    except ToolError:  # no answer within the timeout
+        return False
+
+
 def check_checkpointing() -> None:
     """The daemon can checkpoint: experimental mode, a CRIU >= 4.2 on PATH for runc, runc's CRIU options."""
     from sparkrun_coldsnap.drivers.criu_tool import Criu
@@ -82,12 +104,9 @@ def check_checkpointing() -> None:
         problems.append("runc finds no criu on PATH")
     elif Criu.locate().source != "system":
         problems.append("the criu on PATH is not >= 4.2")
-    try:
-        conf = RUNC_CRIU_CONF.read_text().split("\n")
-    except OSError:
-        conf = []
-    if not all(opt in conf for opt in RUNC_CRIU_OPTIONS):
-        problems.append("%s lacks %s" % (RUNC_CRIU_CONF, ", ".join(RUNC_CRIU_OPTIONS)))
+    missing = missing_runc_options()
+    if missing:
+        problems.append("%s lacks %s" % (RUNC_CRIU_CONF, ", ".join(missing)))
     if problems:
         raise ToolError("docker cannot checkpoint containers here: %s; run `sparkrun coldsnap setup --docker`" % "; ".join(problems))
 
@@ -100,7 +119,7 @@ def runtime_summary() -> str:
 def image_id(image: str) -> str:
     out = docker("image", "inspect", "--format", "{{.Id}}", image, check=False, timeout=60)
     if out.returncode != 0:
-        raise ToolError("image %s is not on this host: build or load it first (sparkrun coldsnap setup --image builds the CPU engine's)" % image)
+        raise ToolError("image %s is not on this host: build or load it first (sparkrun coldsnap setup --docker builds the CPU engine's)" % image)
     return out.stdout.strip()
 
 
@@ -155,22 +174,20 @@ class ContainerUnit:
         out = docker("inspect", "--format", "{{.State.Running}}", self.container_id, check=False, timeout=60)
         return out.stdout.strip() == "true"
 
+    @functools.cached_property
+    def log_path(self) -> Path:
+        # The writable layer's place does not change while the container exists: asked once,
+        # not on every tick of a readiness wait.
+        return upper_dir(self.container_id) / LOG_IN_CONTAINER.lstrip("/")
+
     def tail(self) -> str:
-        path = upper_dir(self.container_id) / LOG_IN_CONTAINER.lstrip("/")
-        try:
-            with open(path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(f.tell() - 2048, 0))
-                lines = [l for l in f.read().decode(errors="replace").splitlines() if l.strip()]
-            return lines[-1] if lines else ""
-        except OSError:
-            return ""
+        return last_line(self.log_path)
 
     def remove(self) -> None:
         docker("rm", "-f", self.container_id, check=False, timeout=120)
 
     def stop(self, grace: float = 10.0) -> None:
-        docker("rm", "-f", self.container_id, check=False, timeout=120)
+        self.remove()
 
     def reap(self, timeout: float = 10.0) -> None:
         """Nothing to reap: dockerd is the parent."""
@@ -255,6 +272,3 @@ def start_from_checkpoint(unit: ContainerUnit, name: str) -> ContainerUnit:
         raise RestoreError("docker start --checkpoint of %s failed: %s" % (name, out.tail()))
     return unit
 
-
-def describe(spec: ContainerSpec) -> str:
-    return shlex.join(["docker", *spec.create_args("NAME")])

