@@ -11,6 +11,7 @@ import pytest
 import requests
 
 from conftest import RECIPE, require_engine, write_recipe
+from sparkrun_coldsnap.launch import checkpoint_leftovers
 
 pytestmark = pytest.mark.engine
 DOCKER_RECIPE = RECIPE.with_name("tiny-vllm-cpu-docker.yaml")
@@ -31,6 +32,11 @@ def require_docker() -> None:
 def containers() -> list[dict]:
     out = docker("ps", "-a", "--format", "{{json .}}").stdout
     return [json.loads(l) for l in out.splitlines() if l.strip()]
+
+
+def unpacked_checkpoints() -> set:
+    """containerd's ``ctrd-checkpoint*`` directories on this host."""
+    return {d for parent in checkpoint_leftovers.containerd_temp_dirs() for d in parent.glob(checkpoint_leftovers.PREFIX + "*")}
 
 
 def ask() -> str:
@@ -63,10 +69,14 @@ def test_capture_in_a_container_restore_into_a_new_one(sparkrun, tmp_path):
     assert doc["config"]["fingerprint"]["container_runtime"].startswith("docker ")
     assert doc["config"]["workload"]["launch"]["image"].startswith("coldsnap/vllm-cpu:0.32.0@sha256:")
 
+    unpacked_before = unpacked_checkpoints()
     out = sparkrun("run", str(recipe), "-H", "localhost", "--no-follow")
     assert "restored tiny-docker:latest" in out.stderr + out.stdout
     assert ask() == reply
     running = containers()
+    # Neither containerd's unpacked copy nor docker's own copy of the images outlives the start.
+    assert unpacked_checkpoints() <= unpacked_before
+    assert docker("checkpoint", "ls", "--format", "{{.Name}}", running[0]["Names"]).stdout.strip() == ""
     assert len(running) == 1 and running[0]["Names"].startswith("sparkrun_") and running[0]["Names"].endswith("_solo")
     labels = docker("inspect", "--format", "{{json .Config.Labels}}", running[0]["Names"]).stdout
     assert json.loads(labels)["sparkrun.distribution"] == "sparkrun"

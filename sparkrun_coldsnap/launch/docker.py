@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Mapping
 
 from sparkrun_coldsnap.errors import RestoreError, ToolError
+from sparkrun_coldsnap.launch import checkpoint_leftovers
 from sparkrun_coldsnap.launch.local import last_line
 from sparkrun_coldsnap.proc import Completed, run
 
@@ -267,8 +268,15 @@ def start_from_checkpoint(unit: ContainerUnit, name: str) -> ContainerUnit:
         docker("rm", "-f", name, check=False, timeout=120)
         docker("rename", unit.container_id, name, timeout=60)
         unit = ContainerUnit(name, unit.container_id, unit.spec)
-    out = docker("start", "--checkpoint", CHECKPOINT, unit.container_id, check=False, timeout=1800)
+    images = container_dir(unit.container_id) / "checkpoints" / CHECKPOINT
+    try:
+        out = docker("start", "--checkpoint", CHECKPOINT, unit.container_id, check=False, timeout=1800)
+    finally:
+        checkpoint_leftovers.remove_unpacked_copies(images)
     if out.returncode != 0:
         raise RestoreError("docker start --checkpoint of %s failed: %s" % (name, out.tail()))
+    # The restored processes run from memory now; docker would otherwise keep this
+    # copy of the images on disk for as long as the container exists.
+    docker("checkpoint", "rm", unit.container_id, CHECKPOINT, check=False, timeout=120)
     return unit
 
