@@ -41,6 +41,9 @@ class Formats(Strict):
     artifact_type: str
     config_media_type: str
     layer_media_types: tuple[str, ...]
+    companion_artifact_types: dict[str, str] = Field(
+        description="Artifacts published beside a capsule: its model files (its subject) and its native weight payload (referring to it)."
+    )
 
 
 class HostCaps(Strict):
@@ -89,6 +92,7 @@ def collect() -> Capabilities:
             artifact_type=media.ARTIFACT_TYPE,
             config_media_type=media.CONFIG_MEDIA_TYPE,
             layer_media_types=media.LAYER_TYPES,
+            companion_artifact_types={"weights": media.WEIGHTS_ARTIFACT_TYPE, "native_weights": media.NATIVE_ARTIFACT_TYPE},
         ),
         stores=("oci-image-layout",),
         host=HostCaps(arch=host.cpu_arch, kernel=host.kernel_release, nvidia_driver=host.gpu.nvidia_driver, gpus=tuple(g.name for g in host.gpu.gpus)),

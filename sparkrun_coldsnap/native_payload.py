@@ -31,6 +31,11 @@ def directory(record: NativePayload) -> Path:
     return root() / hex_of(record.digest)
 
 
+def download_dir(record: NativePayload) -> Path:
+    """Where a pull of *record* downloads to; it survives an interrupted pull, which the next one resumes."""
+    return root() / (".pull-" + hex_of(record.digest))
+
+
 @contextlib.contextmanager
 def _staging() -> Iterator[Path]:
     root().mkdir(parents=True, exist_ok=True)
@@ -47,11 +52,26 @@ def seal(staged: Path) -> NativePayload:
     if not files:
         raise EngineError("the engine wrote no native payload files")
     record = NativePayload(digest=sha256_bytes(canonical_json([f.model_dump(mode="json") for f in files])), files=files)
+    _place(staged, record)
+    return record
+
+
+def _place(staged: Path, record: NativePayload) -> Path:
+    """Rename *staged* to the payload's content address; an intact copy already there is kept."""
     final = directory(record)
     if not final.is_dir():
+        final.parent.mkdir(parents=True, exist_ok=True)
         os.chmod(staged, 0o755)
         os.rename(staged, final)
-    return record
+    return final
+
+
+def install(staged: Path, record: NativePayload) -> Path:
+    """Move downloaded files, each already checked against its digest, to *record*'s address."""
+    missing = sorted(f.name for f in record.files if not (staged / f.name).is_file())
+    if missing:
+        raise EngineError("native weight payload %s is incomplete: %s missing" % (short(record.digest), ", ".join(missing)))
+    return _place(staged, record)
 
 
 def export(adapter: EngineAdapter, endpoint: Endpoint) -> tuple[NativePayload, tuple[dict, ...]]:

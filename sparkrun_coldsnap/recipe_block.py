@@ -41,6 +41,9 @@ class CapsuleSettings(Strict):
     plain_http: bool = Field(False, description="Talk to the registry over plain HTTP (a registry on loopback, say).")
     ca_file: str | None = Field(None, description="CA certificate bundle to verify the registry's TLS certificate with.")
     pull_weights: bool = Field(True, description="Fetch the model files from the capsule's weights artifact when they are missing here.")
+    pull_native: bool = Field(
+        True, description="Fetch the capsule's native weight payload, when it was published, with the capsule (weights: auto or native)."
+    )
 
     @field_validator("name")
     @classmethod

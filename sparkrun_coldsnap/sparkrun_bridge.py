@@ -439,6 +439,12 @@ def pull_capsule(block: ColdsnapBlock, req: RestoreRequest, store: CapsuleStore)
         fetched = transfer.pull_weights(client, cap, Path(model_dir), progress=progress)
         if fetched:
             _say("fetched %d model file(s) from the capsule's weights artifact" % fetched)
+    if cap.config.weights.native and block.capsule.pull_native and block.weights in ("auto", "native"):
+        try:
+            if transfer.pull_native(client, cap, progress=progress):
+                _say("fetched the capsule's native weight payload")
+        except RequestError as err:  # not published: auto takes the recovery path, native is refused at admission
+            _say(str(err))
 
 
 def describe_plan(req: RestoreRequest, store: CapsuleStore) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 
 import pytest
 import requests
@@ -16,7 +17,8 @@ from sparkrun_coldsnap.capsule import capsule as capsule_mod
 from sparkrun_coldsnap.capsule.reference import parse
 from sparkrun_coldsnap.capsule.registry import RegistryClient, Transport
 from sparkrun_coldsnap.capsule.store import CapsuleStore
-from sparkrun_coldsnap.capsule.transfer import publish, pull, pull_weights, remote_capsules
+from sparkrun_coldsnap import native_payload
+from sparkrun_coldsnap.capsule.transfer import publish, pull, pull_native, pull_weights, remote_capsules
 from sparkrun_coldsnap.errors import IntegrityError, NotFoundError, RegistryError, RequestError, StoreError
 
 CHUNK = 1 << 20
@@ -80,6 +82,63 @@ def test_weights_artifact_is_the_subject_and_capsules_are_found_by_referrers(reg
     for name in ("config.json", "model.safetensors"):
         assert (target / name).read_bytes() == (model / name).read_bytes()
     assert pull_weights(c, pulled, target) == 0  # already right: nothing fetched
+
+
+def sealed_payload(tmp_path):
+    """A native payload as an engine leaves it: one tensor file and one index per worker, sealed."""
+    staged = tmp_path / "written"
+    staged.mkdir()
+    for rank in (0, 1):
+        (staged / ("rank-%d.bin" % rank)).write_bytes(os.urandom((2 << 20) + rank))
+        (staged / ("rank-%d.json" % rank)).write_text(json.dumps({"rank": rank}))
+    return native_payload.seal(staged)
+
+
+def test_native_payload_travels_as_a_referrer_of_the_capsule(registry, tmp_path, monkeypatch):
+    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "home"))
+    local, other = stores(tmp_path)
+    record = sealed_payload(tmp_path)
+    model = make_model(tmp_path / "model")
+    make_capsule(local, tmp_path, model_dir=model, native=record)
+    c, ref = client(registry.host)
+    result = publish(local, "synthetic", ref, c, model_dir=model, with_native=True, chunk=CHUNK)
+    native_doc = json.loads(c.get_manifest(result.native)[0])
+    assert native_doc["artifactType"] == media.NATIVE_ARTIFACT_TYPE and native_doc["subject"]["digest"] == result.digest
+    assert sorted(l["annotations"][media.A_TITLE] for l in native_doc["layers"]) == sorted(f.name for f in record.files)
+    assert [d["digest"] for d in c.referrers(result.digest, media.NATIVE_ARTIFACT_TYPE)] == [result.native]
+    assert {r["digest"] for r in remote_capsules(c)} == {result.digest}  # the payload is not listed as a capsule
+
+    # Another host: the capsule arrives without the payload; pulling it makes the native path available.
+    shutil.rmtree(native_payload.directory(record))
+    pulled = pull(c, ref, other).capsule
+    assert native_payload.problems(record)
+    assert pull_native(c, pulled) == len(record.files)
+    assert native_payload.problems(record) == [] and not native_payload.download_dir(record).exists()
+    assert pull_native(c, pulled) == 0  # already here
+    # A damaged copy is replaced by a fresh download.
+    damaged = native_payload.directory(record) / record.files[0].name
+    damaged.write_bytes(b"x" * record.files[0].size)
+    assert pull_native(c, pulled) == len(record.files) and native_payload.problems(record) == []
+
+
+def test_native_payload_refusals(registry, tmp_path, monkeypatch):
+    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "home"))
+    local, other = stores(tmp_path)
+    make_capsule(local, tmp_path, name="plain")
+    c, ref = client(registry.host)
+    with pytest.raises(RequestError, match="capsule plain:latest has no native weight payload .*publish it without --with-native"):
+        publish(local, "plain", ref, c, with_native=True, chunk=CHUNK)
+    assert c.tags() == []  # refused before anything was published
+    record = sealed_payload(tmp_path)
+    make_capsule(local, tmp_path, name="withnative", native=record)
+    shutil.rmtree(native_payload.directory(record))
+    with pytest.raises(IntegrityError, match="native weight payload .* is not on this host.*publish from the host that captured it"):
+        publish(local, "withnative", ref, c, with_native=True, chunk=CHUNK)
+    assert c.tags() == []
+    publish(local, "withnative", ref, c, chunk=CHUNK)  # without it
+    pulled = pull(c, ref, other).capsule
+    with pytest.raises(RequestError, match="was published without its native weight payload: publish it with --with-native"):
+        pull_native(c, pulled)
 
 
 def test_upload_cut_half_way_resumes(registry, tmp_path):
@@ -217,14 +276,20 @@ def test_tls_with_a_self_signed_certificate(tmp_path):
         reg.stop()
 
 
-def test_cli_publish_pull_remote_through_sparkrun(sparkrun, registry, tmp_path):
+def test_cli_publish_pull_remote_through_sparkrun(sparkrun, registry, tmp_path, monkeypatch):
+    home = str(tmp_path / "home")
+    monkeypatch.setenv("COLDSNAP_HOME", home)
+    monkeypatch.setitem(sparkrun.env, "COLDSNAP_HOME", home)
     local, _ = stores(tmp_path)
-    cap = make_capsule(local, tmp_path)
+    record = sealed_payload(tmp_path)
+    cap = make_capsule(local, tmp_path, native=record)
     target = "%s/capsules/tiny:v7" % registry.host
-    out = sparkrun.coldsnap("publish", "synthetic", target, "--store", str(local.root), "--plain-http", "--chunk-size", str(CHUNK))
-    assert "published synthetic as %s" % target in out.stdout
-    doc = sparkrun.json("pull", target, "--store", str(tmp_path / "cli-store"), "--plain-http", "--json")
-    assert doc["digest"] == cap.digest and doc["ref"] == "synthetic:v7"
+    out = sparkrun.coldsnap("publish", "synthetic", target, "--store", str(local.root), "--plain-http", "--chunk-size", str(CHUNK), "--with-native")
+    assert "published synthetic as %s" % target in out.stdout and "native weight payload" in out.stdout
+    shutil.rmtree(native_payload.directory(record))
+    doc = sparkrun.json("pull", target, "--store", str(tmp_path / "cli-store"), "--plain-http", "--with-native", "--json")
+    assert doc["digest"] == cap.digest and doc["ref"] == "synthetic:v7" and doc["native_files_fetched"] == len(record.files)
+    assert native_payload.problems(record) == []
     listing = sparkrun.json("remote", "%s/capsules/tiny" % registry.host, "--plain-http", "--json")
     assert [c["digest"] for c in listing["capsules"]] == [cap.digest]
     bad = sparkrun.coldsnap("pull", "%s/capsules/tiny:nope" % registry.host, "--store", str(tmp_path / "x"), "--plain-http", check=False)

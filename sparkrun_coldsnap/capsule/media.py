@@ -13,6 +13,12 @@ WEIGHTS_ARTIFACT_TYPE = "application/vnd.sparkrun.coldsnap.weights.v1"
 WEIGHTS_CONFIG_MEDIA_TYPE = "application/vnd.sparkrun.coldsnap.weights.config.v1+json"
 WEIGHTS_FILE_MEDIA_TYPE = "application/vnd.sparkrun.coldsnap.weights.file.v1"
 
+# A capsule's native weight payload (the engine's loaded tensors), published as an
+# artifact whose subject is the capsule manifest it was written with.
+NATIVE_ARTIFACT_TYPE = "application/vnd.sparkrun.coldsnap.native-weights.v1"
+NATIVE_CONFIG_MEDIA_TYPE = "application/vnd.sparkrun.coldsnap.native-weights.config.v1+json"
+NATIVE_FILE_MEDIA_TYPE = "application/vnd.sparkrun.coldsnap.native-weights.file.v1"
+
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 OCI_EMPTY = "application/vnd.oci.empty.v1+json"
@@ -37,3 +43,4 @@ A_UNIT = PREFIX + ".unit"
 A_PART = PREFIX + ".part"
 A_UNPACKED_SIZE = PREFIX + ".unpacked-size"
 A_WEIGHTS = PREFIX + ".weights"
+A_NATIVE = PREFIX + ".native-payload"

@@ -12,20 +12,27 @@ no timestamps: the same files give the same digest) and publishes the capsule
 manifest with that artifact as its ``subject``; the capsule is then listed
 among the weights artifact's referrers (the registry's referrers API, or the
 ``sha256-<digest>`` tag schema where it has none).
+
+A capsule's native weight payload (the engine's loaded tensors, written at capture)
+is bound to that capsule, so ``publish --with-native`` pushes it as an artifact
+whose ``subject`` is the published capsule manifest; ``pull --with-native`` finds
+it among the capsule's referrers and installs it where restores look for it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sparkrun_coldsnap import native_payload
 from sparkrun_coldsnap import weights as weights_mod
 from sparkrun_coldsnap.capsule import media
 from sparkrun_coldsnap.capsule.capsule import Capsule, open_capsule, parse_config, parse_manifest
-from sparkrun_coldsnap.capsule.config import WeightsRecord
+from sparkrun_coldsnap.capsule.config import ModelFile, NativePayload, WeightsRecord
 from sparkrun_coldsnap.capsule.reference import Reference
 from sparkrun_coldsnap.capsule.registry import DEFAULT_CHUNK, RegistryClient
 from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor, split_ref
@@ -43,25 +50,37 @@ class PublishResult:
     blobs_pushed: int
     blobs_present: int
     weights: str | None = None
+    native: str | None = None
 
 
 def weights_tag(revision: str) -> str:
     return "weights-" + revision[:40]
 
 
+def files_artifact(artifact_type: str, config_type: str, file_type: str, files: tuple[ModelFile, ...], config: bytes, annotations: dict[str, str]) -> dict[str, Any]:
+    """An artifact manifest with one layer per file, named by its title; no timestamps."""
+    return {
+        "schemaVersion": 2,
+        "mediaType": media.OCI_MANIFEST,
+        "artifactType": artifact_type,
+        "config": {"mediaType": config_type, "digest": sha256_bytes(config), "size": len(config)},
+        "layers": [{"mediaType": file_type, "digest": f.sha256, "size": f.size, "annotations": {media.A_TITLE: f.name}} for f in files],
+        "annotations": annotations,
+    }
+
+
 def weights_artifact(record: WeightsRecord) -> tuple[dict[str, Any], bytes]:
     """The weights artifact's manifest and config: deterministic, so identical files give one digest."""
     config = canonical_json({"model_id": record.model_id, "revision": record.revision, "files": [f.model_dump() for f in record.files]})
-    manifest = {
-        "schemaVersion": 2,
-        "mediaType": media.OCI_MANIFEST,
-        "artifactType": media.WEIGHTS_ARTIFACT_TYPE,
-        "config": {"mediaType": media.WEIGHTS_CONFIG_MEDIA_TYPE, "digest": sha256_bytes(config), "size": len(config)},
-        "layers": [
-            {"mediaType": media.WEIGHTS_FILE_MEDIA_TYPE, "digest": f.sha256, "size": f.size, "annotations": {media.A_TITLE: f.name}} for f in record.files
-        ],
-        "annotations": {media.A_MODEL: "%s@%s" % (record.model_id, record.revision)},
-    }
+    annotations = {media.A_MODEL: "%s@%s" % (record.model_id, record.revision)}
+    return files_artifact(media.WEIGHTS_ARTIFACT_TYPE, media.WEIGHTS_CONFIG_MEDIA_TYPE, media.WEIGHTS_FILE_MEDIA_TYPE, record.files, config, annotations), config
+
+
+def native_artifact(record: NativePayload, subject: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+    """The native payload's manifest (its subject: the capsule it was written with) and config."""
+    config = canonical_json(record.model_dump(mode="json"))
+    manifest = files_artifact(media.NATIVE_ARTIFACT_TYPE, media.NATIVE_CONFIG_MEDIA_TYPE, media.NATIVE_FILE_MEDIA_TYPE, record.files, config, {media.A_NATIVE: record.digest})
+    manifest["subject"] = subject
     return manifest, config
 
 
@@ -75,6 +94,12 @@ def _push_bytes(client: RegistryClient, data: bytes, staging: Path, tick) -> boo
         path.unlink(missing_ok=True)
 
 
+def _push_files(client: RegistryClient, files: tuple[ModelFile, ...], directory: Path, config: bytes, *, staging: Path, chunk: int, tick) -> None:
+    for f in files:
+        client.push_blob(directory / f.name, f.sha256, f.size, state_dir=staging, chunk=chunk, tick=tick)
+    _push_bytes(client, config, staging, tick)
+
+
 def push_weights(client: RegistryClient, record: WeightsRecord, model_dir: Path, *, staging: Path, chunk: int, progress: Progress) -> Descriptor:
     problems = weights_mod.verify(model_dir, record.files)
     if problems:
@@ -82,21 +107,42 @@ def push_weights(client: RegistryClient, record: WeightsRecord, model_dir: Path,
     manifest, config = weights_artifact(record)
     total = sum(f.size for f in record.files) + len(config)
     with progress.transfer("pushing weights %s@%s" % (record.model_id, record.revision[:12]), total) as tick:
-        for f in record.files:
-            client.push_blob(model_dir / f.name, f.sha256, f.size, state_dir=staging, chunk=chunk, tick=tick)
-        _push_bytes(client, config, staging, tick)
+        _push_files(client, record.files, model_dir, config, staging=staging, chunk=chunk, tick=tick)
     data = canonical_json(manifest)
     digest = client.put_manifest(data, media.OCI_MANIFEST, sha256_bytes(data))
     client.put_manifest(data, media.OCI_MANIFEST, weights_tag(record.revision))
     return Descriptor(media.OCI_MANIFEST, digest, len(data), artifact_type=media.WEIGHTS_ARTIFACT_TYPE)
 
 
+def native_to_publish(cap: Capsule) -> NativePayload:
+    """The capsule's native payload, present and intact on this host, or why it cannot be published."""
+    record = cap.config.weights.native
+    if record is None:
+        raise RequestError("capsule %s has no native weight payload (captured with weights: recovery, in a container, or on the CPU): publish it without --with-native" % cap.ref)
+    problems = native_payload.problems(record)
+    if problems:
+        raise IntegrityError("cannot publish the native weight payload: %s; publish from the host that captured it, or without --with-native" % problems[0])
+    return record
+
+
+def push_native(client: RegistryClient, record: NativePayload, subject: dict[str, Any], *, staging: Path, chunk: int, progress: Progress) -> str:
+    """Push *record*'s files and its manifest, and list it among *subject*'s referrers."""
+    manifest, config = native_artifact(record, subject)
+    with progress.transfer("pushing native weight payload %s" % short(record.digest), sum(f.size for f in record.files) + len(config)) as tick:
+        _push_files(client, record.files, native_payload.directory(record), config, staging=staging, chunk=chunk, tick=tick)
+    data = canonical_json(manifest)
+    digest = client.put_manifest(data, media.OCI_MANIFEST, sha256_bytes(data))
+    client.add_referrer(subject["digest"], {"mediaType": media.OCI_MANIFEST, "digest": digest, "size": len(data), "artifactType": media.NATIVE_ARTIFACT_TYPE, "annotations": manifest["annotations"]})
+    return digest
+
+
 def publish(
-    store: CapsuleStore, capsule_ref: str, target: Reference, client: RegistryClient, *, model_dir: Path | None = None, chunk: int = DEFAULT_CHUNK,
-    progress: Progress = QUIET,
+    store: CapsuleStore, capsule_ref: str, target: Reference, client: RegistryClient, *, model_dir: Path | None = None, with_native: bool = False,
+    chunk: int = DEFAULT_CHUNK, progress: Progress = QUIET,
 ) -> PublishResult:  # fmt: skip
-    """Push a local capsule (and, given *model_dir*, its weights as a subject artifact) to *target*."""
+    """Push a local capsule (given *model_dir*, its weights as its subject; *with_native*, its native payload as a referrer) to *target*."""
     cap = open_capsule(store, capsule_ref)
+    native = native_to_publish(cap) if with_native else None  # refused before anything is pushed
     staging = store.staging / "uploads"
     blobs = [Descriptor.from_json(cap.manifest["config"]), *cap.layers]
     pushed = present = 0
@@ -122,7 +168,11 @@ def publish(
     if weights_digest:
         annotations = {k: v for k, v in json.loads(manifest_bytes).get("annotations", {}).items() if k.startswith(("org.opencontainers", media.PREFIX))}
         client.add_referrer(weights_digest, {"mediaType": media.OCI_MANIFEST, "digest": digest, "size": len(manifest_bytes), "artifactType": media.ARTIFACT_TYPE, "annotations": annotations})
-    return PublishResult(str(target.with_tag(tag)), digest, pushed, present, weights_digest)
+    native_digest = None
+    if native is not None:
+        subject = {"mediaType": media.OCI_MANIFEST, "digest": digest, "size": len(manifest_bytes)}
+        native_digest = push_native(client, native, subject, staging=staging, chunk=chunk, progress=progress)
+    return PublishResult(str(target.with_tag(tag)), digest, pushed, present, weights_digest, native_digest)
 
 
 def _fetch(client: RegistryClient, store: CapsuleStore, d: Descriptor, tick) -> bool:
@@ -200,6 +250,31 @@ def pull_weights(client: RegistryClient, cap: Capsule, model_dir: Path, *, progr
             os.replace(partial, target)
             fetched += 1
     return fetched
+
+
+def pull_native(client: RegistryClient, cap: Capsule, *, progress: Progress = QUIET) -> int:
+    """Fetch the capsule's native payload from its referrers into this host's payloads; 0 if already here."""
+    record = cap.config.weights.native
+    if record is None:
+        raise RequestError("capsule %s has no native weight payload: pull it without --with-native (restores take the recovery path)" % cap.ref)
+    if not native_payload.problems(record):
+        return 0
+    published = [d for d in client.referrers(cap.digest, media.NATIVE_ARTIFACT_TYPE) if (d.get("annotations") or {}).get(media.A_NATIVE) == record.digest]
+    if not published:
+        raise RequestError(
+            "capsule %s was published without its native weight payload: publish it with --with-native from the host that captured it (until then restores take the recovery path)"
+            % short(cap.digest)
+        )
+    shutil.rmtree(native_payload.directory(record), ignore_errors=True)  # a damaged copy is replaced
+    # Kept when interrupted: the next pull resumes each file where this one stopped.
+    staged = native_payload.download_dir(record)
+    with progress.transfer("pulling native weight payload %s" % short(record.digest), sum(f.size for f in record.files)) as tick:
+        for f in record.files:
+            target = staged / f.name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            client.fetch_blob(f.sha256, f.size, target, tick=tick)
+    native_payload.install(staged, record)
+    return len(record.files)
 
 
 def remote_capsules(client: RegistryClient) -> list[dict[str, Any]]:

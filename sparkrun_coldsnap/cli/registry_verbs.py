@@ -36,8 +36,9 @@ def model_dir_of(cap) -> Path:
 @store_option
 @transport_options
 @click.option("--with-weights", is_flag=True, help="Also push the model files as a weights artifact, linked as the capsule's subject.")
+@click.option("--with-native", is_flag=True, help="Also push the capsule's native weight payload from this host, as an artifact referring to the capsule.")
 @click.option("--json", "as_json", is_flag=True)
-def publish(capsule, repository, store, plain_http, ca_file, chunk_size, with_weights, as_json):
+def publish(capsule, repository, store, plain_http, ca_file, chunk_size, with_weights, with_native, as_json):
     """Push CAPSULE (name[:tag] or digest) from the local store to REPOSITORY[:TAG] of an OCI registry.
 
     Credentials come from the usual Docker/OCI credential files (docker login)
@@ -52,13 +53,17 @@ def publish(capsule, repository, store, plain_http, ca_file, chunk_size, with_we
     ref = parse(repository, default_tag=None)
     cap = capsule_mod.open_capsule(s, capsule)
     model_dir = model_dir_of(cap) if with_weights else None
-    result = do_publish(s, capsule, ref, client_for(ref, plain_http, ca_file), model_dir=model_dir, chunk=chunk_size, progress=Progress(quiet=as_json))
+    result = do_publish(
+        s, capsule, ref, client_for(ref, plain_http, ca_file), model_dir=model_dir, with_native=with_native, chunk=chunk_size, progress=Progress(quiet=as_json)
+    )
     if as_json:
         emit_json(result.__dict__)
         return
     click.echo("published %s as %s (%s); %d blobs pushed, %d already there" % (capsule, result.reference, short(result.digest), result.blobs_pushed, result.blobs_present))
     if result.weights:
         click.echo("  weights artifact %s is its subject" % short(result.weights))
+    if result.native:
+        click.echo("  native weight payload %s refers to it" % short(result.native))
 
 
 @click.command("pull")
@@ -67,11 +72,12 @@ def publish(capsule, repository, store, plain_http, ca_file, chunk_size, with_we
 @transport_options
 @click.option("--as", "local_ref", default=None, help="Local name[:tag] (default: the capsule's own name and the reference's tag).")
 @click.option("--with-weights", is_flag=True, help="Also fetch the model files from the capsule's weights artifact.")
+@click.option("--with-native", is_flag=True, help="Also fetch the capsule's native weight payload, for the native weight path.")
 @click.option("--json", "as_json", is_flag=True)
-def pull(reference, store, plain_http, ca_file, chunk_size, local_ref, with_weights, as_json):
+def pull(reference, store, plain_http, ca_file, chunk_size, local_ref, with_weights, with_native, as_json):
     """Pull a capsule from an OCI registry into the local store (REGISTRY/REPO[:TAG|@DIGEST])."""
     from sparkrun_coldsnap.capsule.reference import parse
-    from sparkrun_coldsnap.capsule.transfer import pull as do_pull, pull_weights
+    from sparkrun_coldsnap.capsule.transfer import pull as do_pull, pull_native, pull_weights
     from sparkrun_coldsnap.progress import Progress
 
     s = open_store(store)
@@ -81,12 +87,22 @@ def pull(reference, store, plain_http, ca_file, chunk_size, local_ref, with_weig
     result = do_pull(client, ref, s, local_ref=local_ref, progress=progress)
     cap = result.capsule
     fetched = pull_weights(client, cap, model_dir_of(cap), progress=progress) if with_weights else 0
+    native = pull_native(client, cap, progress=progress) if with_native else 0
     if as_json:
-        emit_json({"ref": cap.ref, "digest": cap.digest, "store": str(s.root), "blobs_fetched": result.blobs_fetched, "blobs_present": result.blobs_present, "weight_files_fetched": fetched})
+        emit_json(
+            {
+                "ref": cap.ref, "digest": cap.digest, "store": str(s.root), "blobs_fetched": result.blobs_fetched, "blobs_present": result.blobs_present,
+                "weight_files_fetched": fetched, "native_files_fetched": native,
+            }
+        )  # fmt: skip
         return
     click.echo("pulled %s -> %s (%s) in %s; %d blobs fetched, %d already here" % (reference, cap.ref, short(cap.digest), s.root, result.blobs_fetched, result.blobs_present))
     if with_weights:
         click.echo("  %d model file(s) fetched into %s" % (fetched, model_dir_of(cap)))
+    if with_native:
+        from sparkrun_coldsnap import native_payload
+
+        click.echo("  native weight payload: %d file(s) fetched into %s" % (native, native_payload.directory(cap.config.weights.native)))
 
 
 @click.command("remote")
