@@ -81,6 +81,16 @@ def export(adapter: EngineAdapter, endpoint: Endpoint) -> tuple[NativePayload, t
         return seal(staged), reports
 
 
+def remove(record: NativePayload) -> int:
+    """Delete *record*'s payload from this host (and an unfinished pull of it); returns the bytes freed."""
+    freed = 0
+    for d in (directory(record), download_dir(record)):
+        if d.is_dir():
+            freed += sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+            shutil.rmtree(d, ignore_errors=True)
+    return freed
+
+
 def problems(record: NativePayload) -> list[str]:
     """What stops this host from reading *record* (empty: present and matching)."""
     d = directory(record)

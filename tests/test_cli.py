@@ -100,3 +100,33 @@ def test_unknown_capsule_and_missing_store(sparkrun, tmp_path):
 def test_missing_recipe_file(sparkrun, tmp_path):
     line = one_line_error(sparkrun.coldsnap("capture", str(tmp_path / "nope.yaml"), "-H", "localhost", check=False))
     assert "does not exist" in line
+
+
+def written_payload(directory):
+    """What an engine leaves for the plugin to seal: one worker's tensors and index."""
+    directory.mkdir()
+    (directory / "rank-0.bin").write_bytes(b"\1" * 65536)
+    (directory / "rank-0.json").write_text("{}")
+    return directory
+
+
+def test_delete_removes_the_native_payload_no_other_capsule_needs(sparkrun, tmp_path, monkeypatch):
+    from capsule_factory import make_capsule
+    from sparkrun_coldsnap import native_payload
+    from sparkrun_coldsnap.capsule.store import CapsuleStore
+
+    home = str(tmp_path / "home")
+    monkeypatch.setenv("COLDSNAP_HOME", home)
+    monkeypatch.setitem(sparkrun.env, "COLDSNAP_HOME", home)
+    record = native_payload.seal(written_payload(tmp_path / "written"))
+    store = CapsuleStore(tmp_path / "store").init()
+    make_capsule(store, tmp_path, "first", native=record)
+    make_capsule(store, tmp_path, "second", native=record)
+    s = str(store.root)
+    out = sparkrun.coldsnap("delete", "first", "--store", s).stdout
+    assert "native weight payload" not in out and native_payload.problems(record) == []  # "second" still needs it
+    out = sparkrun.coldsnap("delete", "second", "--store", s).stdout
+    assert "removed its native weight payload" in out and not native_payload.directory(record).exists()
+    make_capsule(store, tmp_path, "third", native=native_payload.seal(written_payload(tmp_path / "again")))
+    out = sparkrun.coldsnap("delete", "third", "--store", s, "--keep-native").stdout
+    assert "native weight payload" not in out and native_payload.problems(record) == []

@@ -103,15 +103,37 @@ def verify(capsule, store, as_json):
         click.echo("%s (%s): manifest, config and %d layers verified (%.1f MB)" % (capsule, short(cap.digest), len(cap.layers), checked / 1e6))
 
 
+def _native_digests(s) -> set[str]:
+    """Native payloads the store's remaining capsules were written with."""
+    found = set()
+    for entry in s.entries():
+        try:
+            record = capsule_mod.open_entry(s, entry).config.weights.native
+        except ColdsnapError:  # a damaged capsule keeps nothing alive
+            continue
+        if record is not None:
+            found.add(record.digest)
+    return found
+
+
 @click.command("delete")
 @click.argument("capsule")
 @store_option
-def delete(capsule, store):
-    """Remove a capsule from the local store and free blobs no other capsule uses."""
+@click.option("--keep-native", is_flag=True, help="Keep the capsule's native weight payload on this host.")
+def delete(capsule, store, keep_native):
+    """Remove a capsule from the local store and free blobs no other capsule uses, and its native weight payload."""
     s = open_store(store)
+    try:
+        native = capsule_mod.open_capsule(s, capsule).config.weights.native
+    except ColdsnapError:  # damaged: deleting it must still work
+        native = None
     entry = s.untag(capsule)
     count, size = s.gc()
     click.echo("deleted %s (%s); freed %d blobs, %.1f MB" % (entry.ref or capsule, short(entry.descriptor.digest), count, size / 1e6))
+    if native is not None and not keep_native and native.digest not in _native_digests(s):
+        freed = native_payload.remove(native)
+        if freed:
+            click.echo("removed its native weight payload %s, %.1f MB" % (short(native.digest), freed / 1e6))
 
 
 COMMANDS = [list_capsules, inspect, verify, delete]
