@@ -12,6 +12,7 @@ every path alike. Several restore paths (drivers) can share one vanilla series.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -19,7 +20,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Iterator, Mapping
 
 from sparkrun_coldsnap import __version__, controller, paths
 from sparkrun_coldsnap.capsule.store import CapsuleStore
@@ -52,11 +53,26 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+@contextlib.contextmanager
+def _environ(overrides: Mapping[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run_paths(
     vanilla: RestoreRequest, restores: Mapping[str, tuple[RestoreRequest, CapsuleStore]], *, samples: int, base_env: Mapping[str, str], progress: Progress,
-    drop_cache: bool = True,
+    drop_cache: bool = True, environ: Mapping[str, Mapping[str, str]] | None = None,
 ) -> list[Sample]:  # fmt: skip
-    """Alternate a vanilla start and every restore path, *samples* times."""
+    """Alternate a vanilla start and every restore path, *samples* times; *environ* sets
+    this process's environment per path (the plugin's own switches) while it restores."""
     log_dir = paths.run_dir() / "bench"
     log_dir.mkdir(parents=True, exist_ok=True)
     results: list[Sample] = []
@@ -73,8 +89,9 @@ def run_paths(
             if drop_cache:
                 drop_page_cache()
             progress.step("sample %d/%d: restore (%s)" % (i + 1, samples, name))
-            prepared = controller.prepare_restore(req, store=store, progress=progress)
-            r = controller.activate_restore(prepared, log_path=log_dir / ("restore-%s-%d.log" % (name, i)), progress=progress)
+            with _environ((environ or {}).get(name, {})):
+                prepared = controller.prepare_restore(req, store=store, progress=progress)
+                r = controller.activate_restore(prepared, log_path=log_dir / ("restore-%s-%d.log" % (name, i)), progress=progress)
             r.unit.stop()
             phases = {p.name: p.seconds for p in r.receipt.phases}
             results.append(Sample(name, i, r.ttft_seconds or 0.0, prepare_seconds=prepared.prepare_seconds, phases=phases, validated=bool(r.receipt.validation and r.receipt.validation.passed)))

@@ -8,6 +8,7 @@ started, drops what it staged) without hiding the first error.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from sparkrun_coldsnap import native_payload, plugins, weight_paths, weights
+from sparkrun_coldsnap import native_payload, page_cache, plugins, weight_paths, weights
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
 from sparkrun_coldsnap.capsule import media
 from sparkrun_coldsnap.capsule.capsule import Capsule
@@ -439,6 +440,8 @@ def prepare_restore(req: RestoreRequest, *, store: CapsuleStore, progress: Progr
         else:
             with rb.phase("prepare.warm_up"):
                 prepared.warm = r.driver.warm_up(unit)
+        if choice is not None:
+            prepared.weights = _cache_weights(cap, req, choice, rb, progress)
         prepared.prepare_seconds = time.monotonic() - t
         return prepared
     except BaseException as err:
@@ -447,6 +450,25 @@ def prepare_restore(req: RestoreRequest, *, store: CapsuleStore, progress: Progr
         if isinstance(err, ColdsnapError):
             err.receipt = finish(rb, err)  # type: ignore[attr-defined]
         raise
+
+
+def _cache_weights(cap: Capsule, req: RestoreRequest, choice: weight_paths.WeightChoice, rb: ReceiptBuilder, progress: Progress) -> weight_paths.WeightChoice:
+    """Read the files hydration will read into the page cache now, while the old workload still serves."""
+    if page_cache.switched_off():
+        rb.details["weights_cache"] = {"skipped": "COLDSNAP_WEIGHTS_CACHE=off"}
+        return choice
+    files = weight_paths.files_to_read(cap.config, choice, req.workload.model.path)
+    if not files:
+        return choice
+    plan = page_cache.plan(files)
+    if not plan.fits:
+        rb.details["weights_cache"] = {"skipped": plan.why_not()}
+        return choice
+    t = time.monotonic()
+    with rb.phase("prepare.weights_cache"), progress.transfer("reading %d weight file(s) into the page cache" % len(files), plan.total) as tick:
+        read = page_cache.read_ahead(files, tick)
+    rb.details["weights_cache"] = {"bytes": read, "seconds": round(time.monotonic() - t, 4)}
+    return dataclasses.replace(choice, cached=True)
 
 
 @dataclass
@@ -489,7 +511,9 @@ def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Pro
         elif prepared.weights is not None:
             choice = prepared.weights
             with rb.phase("hydrate"), progress.waiting("hydrating weights (%s)" % choice.path):
-                h = r.adapter.hydrate(endpoint, path=choice.path, model_dir=w.model.path or "", native_dir=str(choice.native_dir) if choice.native_dir else None)
+                h = r.adapter.hydrate(
+                    endpoint, path=choice.path, model_dir=w.model.path or "", native_dir=str(choice.native_dir) if choice.native_dir else None, cached=choice.cached
+                )
             source = cap.config.weights.native.files if choice.path == "native" else cap.config.weights.files
             rb.weights = Weights(path=h.path, seconds=round(h.seconds, 4), files=len(source), bytes=sum(f.size for f in source), note=choice.note)
             if h.details:

@@ -32,6 +32,16 @@ class WeightChoice:
     native_dir: Path | None = None
     note: str | None = None  # why auto did not take native
     problem: str | None = None  # what refuses the restore
+    cached: bool = False  # preparation read the files into the page cache
+
+
+def files_to_read(cfg: CapsuleConfig, choice: WeightChoice, model_dir: str | None) -> list[Path]:
+    """The files hydration by *choice* will read: the native payload, or the recorded model files."""
+    if choice.path == "native" and choice.native_dir is not None and cfg.weights.native is not None:
+        return [choice.native_dir / f.name for f in cfg.weights.native.files]
+    if choice.path == "recovery" and model_dir:
+        return [Path(model_dir) / f.name for f in cfg.weights.files]
+    return []
 
 
 def choose(cfg: CapsuleConfig, wanted: str, adapter: EngineAdapter) -> WeightChoice:

@@ -80,6 +80,11 @@ def test_export_seal_and_read_back_replace_the_served_weights(engine, monkeypatc
     loaded = adapter._rpc(endpoint, "coldsnap_load_native", str(d))
     assert loaded[0]["bytes"] == reports[0]["bytes"]
     assert reply(adapter, endpoint) == before
+    # Read into the page cache by preparation: buffered reads copy it from memory.
+    adapter._rpc(endpoint, "coldsnap_load_native", str(damaged))
+    cached = adapter._rpc(endpoint, "coldsnap_load_native", str(d), True)
+    assert cached[0]["direct_io"] is False and cached[0]["bytes"] == reports[0]["bytes"]
+    assert reply(adapter, endpoint) == before
 
     # The same bytes seal to the same address; a damaged payload is refused by digest.
     again, _ = native_payload.export(adapter, endpoint)

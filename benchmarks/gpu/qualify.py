@@ -98,10 +98,13 @@ def requests_for(args, driver: str, weights: str = "auto") -> tuple[rq.CaptureRe
     return cap, res
 
 
-def split_path(path: str) -> tuple[str, str]:
-    """``n610:native`` -> (driver, weights); a bare driver takes auto."""
-    driver, _, weights = path.partition(":")
-    return driver, weights or "auto"
+def split_path(path: str) -> tuple[str, str, bool]:
+    """``n610:native`` -> (driver, weights, cache); a bare driver takes auto; a third part
+    ``nocache`` restores without reading the weights into the page cache during preparation."""
+    driver, weights, option = (path.split(":") + ["", ""])[:3]
+    if option not in ("", "nocache"):
+        sys.exit("path %r: the third part may only be nocache" % path)
+    return driver, weights or "auto", option != "nocache"
 
 
 def engine_log_lines(pattern: str) -> list[str]:
@@ -137,30 +140,31 @@ def cmd_capture(args) -> None:
         print("  engine: %s" % line, flush=True)
 
 
-def restores_for(args, store: CapsuleStore) -> tuple[dict, dict]:
-    restores, capsules = {}, {}
+def restores_for(args, store: CapsuleStore) -> tuple[dict, dict, dict]:
+    restores, capsules, environ = {}, {}, {}
     for path in args.paths:
-        driver, weights = split_path(path)
+        driver, weights, cache = split_path(path)
         _, res = requests_for(args, driver, weights)
         try:
             entry = store.resolve(res.capsule.ref)
         except ColdsnapError as err:
             print("no capsule for %s: %s" % (path, err), flush=True)
             continue
-        label = driver if weights == "auto" else "%s %s" % (driver, weights)
+        label = (driver if weights == "auto" else "%s %s" % (driver, weights)) + ("" if cache else ", no cache")
         restores[label] = (res, store)
         capsules[label] = {"ref": res.capsule.ref, "digest": entry.descriptor.digest}
-    return restores, capsules
+        environ[label] = {"COLDSNAP_WEIGHTS_CACHE": "auto" if cache else "off"}
+    return restores, capsules, environ
 
 
 def cmd_samples(args) -> None:
     store = CapsuleStore(args.work / "store")
-    restores, capsules = restores_for(args, store)
+    restores, capsules, environ = restores_for(args, store)
     if not restores:
         sys.exit("nothing to measure")
     vanilla = next(iter(restores.values()))[0]
     # Vanilla starts without sleep mode, as a user would run it.
-    new = bench.run_paths(vanilla, restores, samples=args.samples, base_env=dict(os.environ), progress=Progress(), drop_cache=True)
+    new = bench.run_paths(vanilla, restores, samples=args.samples, base_env=dict(os.environ), progress=Progress(), drop_cache=True, environ=environ)
     # Samples accumulate across calls (one call may not hold them all): kept beside the store.
     kept = args.work / "samples.json"
     old = [bench.Sample(**s) for s in json.loads(kept.read_text())] if kept.exists() else []
@@ -180,7 +184,7 @@ def cmd_other_gpu(args) -> None:
     """Restore capsules captured on one GPU onto the GPUs of --restore-gpus (this side's
     CUDA_VISIBLE_DEVICES), validate, and record where the driver reports the engine."""
     store = CapsuleStore(args.work / "store")
-    restores, capsules = restores_for(args, store)
+    restores, capsules, _ = restores_for(args, store)
     os.environ["CUDA_VISIBLE_DEVICES"] = args.restore_gpus
     log_dir = paths.run_dir() / "bench"
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -81,12 +81,12 @@ def _held_storages(model) -> list[tuple[str, Any]]:
     return out
 
 
-def _open_for_reading(path: str) -> tuple[int, bool]:
+def _open_for_reading(path: str, *, direct: bool = True) -> tuple[int, bool]:
     flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-    direct = getattr(os, "O_DIRECT", 0)
-    if direct:
+    o_direct = getattr(os, "O_DIRECT", 0) if direct else 0
+    if o_direct:
         try:
-            return os.open(path, flags | direct), True
+            return os.open(path, flags | o_direct), True
         except OSError:
             pass  # tmpfs and some overlays refuse O_DIRECT: buffered reads then
     return os.open(path, flags), False
@@ -139,8 +139,10 @@ class NativeWeights:
             json.dump(index, f)
         return {"rank": rank, "bytes": total, "tensors": len(table), "seconds": round(time.monotonic() - t0, 4)}
 
-    def coldsnap_load_native(self, directory: str) -> dict[str, Any]:
-        """Read DIRECTORY/rank-N.bin back into the tensors it was written from."""
+    def coldsnap_load_native(self, directory: str, cached: bool = False) -> dict[str, Any]:
+        """Read DIRECTORY/rank-N.bin back into the tensors it was written from; *cached*: the
+        file was just read into the page cache, so buffered reads copy it from memory where
+        direct I/O would read the disk again."""
         import torch
 
         t0 = time.monotonic()
@@ -159,7 +161,7 @@ class NativeWeights:
         on_gpu = any(t.is_cuda for _, t in held)
         slots = [torch.empty(CHUNK, dtype=torch.uint8, pin_memory=on_gpu) for _ in range(READERS)]
         path = os.path.join(directory, bin_name)
-        direct_fd, direct = _open_for_reading(path)
+        direct_fd, direct = _open_for_reading(path, direct=not cached)
         plain_fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)) if direct else direct_fd
         direct = direct and all(s.data_ptr() % ALIGN == 0 for s in slots)
         fds = (direct_fd if direct else -1, plain_fd)

@@ -102,8 +102,9 @@ class EngineAdapter(ABC):
         """Drop weights and KV cache from device memory before capture."""
 
     @abstractmethod
-    def hydrate(self, endpoint: Endpoint, *, path: str, model_dir: str, native_dir: str | None = None) -> HydrationResult:
-        """Bring weights back after restore by *path*: recovery (from *model_dir*) or native (from *native_dir*)."""
+    def hydrate(self, endpoint: Endpoint, *, path: str, model_dir: str, native_dir: str | None = None, cached: bool = False) -> HydrationResult:
+        """Bring weights back after restore by *path*: recovery (from *model_dir*) or native (from *native_dir*);
+        *cached*: preparation read the files into the page cache (so direct I/O would go around it)."""
 
     def export_native(self, endpoint: Endpoint, directory: str) -> tuple[dict[str, Any], ...]:
         """Have the serving engine write its loaded weights to *directory* (one file set per worker)."""

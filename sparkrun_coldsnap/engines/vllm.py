@@ -53,7 +53,7 @@ class VllmAdapter(EngineAdapter):
     def release_memory(self, endpoint: Endpoint) -> None:
         post(endpoint.base_url + "/sleep?level=2", what="vLLM sleep (level 2)")
 
-    def _rpc(self, endpoint: Endpoint, method: str, *args: str) -> tuple[dict[str, Any], ...]:
+    def _rpc(self, endpoint: Endpoint, method: str, *args: Any) -> tuple[dict[str, Any], ...]:
         r = post(endpoint.base_url + "/collective_rpc", json_body={"method": method, "args": list(args)}, timeout=1800, what="vLLM %s" % method)
         try:
             results = r.json()["results"]
@@ -64,7 +64,7 @@ class VllmAdapter(EngineAdapter):
     def export_native(self, endpoint: Endpoint, directory: str) -> tuple[dict[str, Any], ...]:
         return self._rpc(endpoint, "coldsnap_export_native", directory)
 
-    def hydrate(self, endpoint: Endpoint, *, path: str, model_dir: str, native_dir: str | None = None) -> HydrationResult:
+    def hydrate(self, endpoint: Endpoint, *, path: str, model_dir: str, native_dir: str | None = None, cached: bool = False) -> HydrationResult:
         if path not in self.gpu_weight_paths:
             raise EngineError("weight path %r is not one of vLLM's (%s)" % (path, ", ".join(self.gpu_weight_paths)))
         if path == "native" and not native_dir:
@@ -72,7 +72,7 @@ class VllmAdapter(EngineAdapter):
         t = time.monotonic()
         post(endpoint.base_url + "/wake_up?tags=weights", what="vLLM wake_up(weights)")
         if path == "native":
-            details = self._rpc(endpoint, "coldsnap_load_native", str(native_dir))
+            details = self._rpc(endpoint, "coldsnap_load_native", str(native_dir), cached)
         else:
             post(endpoint.base_url + "/collective_rpc", json_body={"method": "reload_weights"}, timeout=1800, what="vLLM reload_weights")
             details = ()

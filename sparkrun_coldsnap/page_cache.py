@@ -1,0 +1,76 @@
+"""Reading weight files into the page cache during preparation, before the old workload stops.
+
+Hydration after a restore reads the whole model (or the native payload) once more. Read
+from disk that is the largest part of a restore (on the H200 machines about 1.6 GB/s, so
+8.4 s of a 12.9 s restore of an ~8B model). Preparation already runs while the old
+workload still serves, so it reads the files once there, and hydration then copies them
+from memory. Only when they fit well within the memory available: page cache is given
+back under pressure, and a prefetch that evicts itself buys nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+READ = 16 << 20
+READERS = 4
+#: the share of MemAvailable the files may take
+SHARE = 0.5
+
+
+def switched_off() -> bool:
+    return os.environ.get("COLDSNAP_WEIGHTS_CACHE", "auto").lower() in ("0", "off", "no", "false")
+
+
+def memory_available(meminfo: Path = Path("/proc/meminfo")) -> int:
+    """MemAvailable in bytes (0 when unknown: nothing is then read ahead)."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    files: tuple[Path, ...]
+    total: int
+    available: int
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.available * SHARE
+
+    def why_not(self) -> str:
+        return "%.1f GB of weights, %.1f GB of memory available (at most half of it is used)" % (self.total / 1e9, self.available / 1e9)
+
+
+def plan(files: Sequence[Path], meminfo: Path = Path("/proc/meminfo")) -> Plan:
+    return Plan(tuple(files), sum(f.stat().st_size for f in files), memory_available(meminfo))
+
+
+def read_ahead(files: Sequence[Path], tick: Callable[[int], None] | None = None) -> int:
+    """Read every file once, a few at a time, so the kernel keeps them cached; returns the bytes read."""
+
+    def one(path: Path) -> int:
+        done = 0
+        buf = bytearray(READ)
+        view = memoryview(buf)
+        with open(path, "rb", buffering=0) as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            while True:
+                n = f.readinto(view)
+                if not n:
+                    return done
+                done += n
+                if tick:
+                    tick(n)
+
+    with ThreadPoolExecutor(READERS) as pool:
+        return sum(pool.map(one, files))
