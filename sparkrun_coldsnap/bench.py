@@ -24,7 +24,8 @@ from typing import Iterator, Mapping
 
 from sparkrun_coldsnap import __version__, controller, paths
 from sparkrun_coldsnap.capsule.store import CapsuleStore
-from sparkrun_coldsnap.errors import ColdsnapError, ToolError
+from sparkrun_coldsnap.errors import ColdsnapError
+from sparkrun_coldsnap.page_cache import drop as drop_page_cache
 from sparkrun_coldsnap.progress import Progress
 from sparkrun_coldsnap.request import RestoreRequest
 
@@ -39,14 +40,6 @@ class Sample:
     prepare_seconds: float | None = None
     phases: dict[str, float] = field(default_factory=dict)
     validated: bool = True
-
-
-def drop_page_cache() -> None:
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError as err:
-        raise ToolError("cannot drop the page cache (%s): run the benchmark as root, or pass --keep-page-cache" % err.strerror) from err
 
 
 def _summary(values: list[float]) -> dict[str, float]:

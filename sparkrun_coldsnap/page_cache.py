@@ -16,10 +16,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from sparkrun_coldsnap.errors import ToolError
+
 READ = 16 << 20
 READERS = 4
 #: the share of MemAvailable the files may take
 SHARE = 0.5
+
+
+def drop() -> None:
+    """Write back and drop the page cache (benchmarks start every sample from the disk)."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as err:
+        raise ToolError("cannot drop the page cache (%s): run the benchmark as root, or pass --keep-page-cache" % err.strerror) from err
 
 
 def switched_off() -> bool:

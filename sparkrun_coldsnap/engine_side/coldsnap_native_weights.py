@@ -81,6 +81,16 @@ def _held_storages(model) -> list[tuple[str, Any]]:
     return out
 
 
+def _aligned_buffer(nbytes: int, *, pin: bool):
+    """A byte tensor starting on a block boundary, as O_DIRECT needs (pinned memory is
+    page-aligned already; the CPU allocator only promises 64 bytes)."""
+    import torch
+
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    skip = -raw.data_ptr() % ALIGN
+    return raw[skip : skip + nbytes]
+
+
 def _open_for_reading(path: str, *, direct: bool = True) -> tuple[int, bool]:
     flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
     o_direct = getattr(os, "O_DIRECT", 0) if direct else 0
@@ -159,7 +169,7 @@ class NativeWeights:
             raise RuntimeError("native payload does not fit this model (payload %r, model %r): capture again" % diff)
         dests = [t for _, t in held]
         on_gpu = any(t.is_cuda for _, t in held)
-        slots = [torch.empty(CHUNK, dtype=torch.uint8, pin_memory=on_gpu) for _ in range(READERS)]
+        slots = [_aligned_buffer(CHUNK, pin=on_gpu) for _ in range(READERS)]
         path = os.path.join(directory, bin_name)
         direct_fd, direct = _open_for_reading(path, direct=not cached)
         plain_fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)) if direct else direct_fd
