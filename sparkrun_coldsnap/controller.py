@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from sparkrun_coldsnap import native_payload, page_cache, plugins, weight_paths, weights
+from sparkrun_coldsnap import disk_room, native_payload, page_cache, plugins, weight_paths, weights
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
 from sparkrun_coldsnap.capsule import media
 from sparkrun_coldsnap.capsule.capsule import Capsule
@@ -35,7 +35,7 @@ from sparkrun_coldsnap.launch.engine_env import EngineEnv, EngineFacts, command_
 from sparkrun_coldsnap.launch.iouring import io_uring_disabled
 from sparkrun_coldsnap.launch import docker as docker_unit
 from sparkrun_coldsnap.launch.docker import ContainerSpec
-from sparkrun_coldsnap.launch.local import StartedUnit, start_unit
+from sparkrun_coldsnap.launch.local import StartedUnit, start_unit, tree_pids
 from sparkrun_coldsnap.launch.ports import port_holder
 from sparkrun_coldsnap.progress import QUIET, Progress
 from sparkrun_coldsnap.receipts import Receipt, ReceiptBuilder, Validation, Weights
@@ -266,11 +266,20 @@ def _validated(r: Resolved, endpoint: Endpoint, req: CaptureRequest, rb: Receipt
     return validation
 
 
-def _precheck(r: Resolved, root_pid: int, rb: ReceiptBuilder) -> None:
+def _precheck(r: Resolved, unit, images: Path, rb: ReceiptBuilder) -> None:
+    """What the driver cannot capture, and whether the disks have room for what it will write."""
     with rb.phase("precheck"):
-        problems = r.driver.precheck(root_pid)
+        problems = r.driver.precheck(unit.root_pid)
+        estimate = disk_room.dump_estimate(tree_pids(unit.root_pid))
+        places = [(images, 2.0, "writing the process images and packing them")]
+        if isinstance(unit, docker_unit.ContainerUnit):
+            places.append((Path(docker_unit.info()["root_dir"]), 1.0, "docker's checkpoint"))
+        short = disk_room.shortfall(estimate, places)
+    rb.details["dump_estimate_bytes"] = estimate
     if problems:
         raise CaptureError("cannot capture the workload: %s" % "; ".join(problems))
+    if short:
+        raise CaptureError("%s; free space there, or put the capsule store on a larger disk (coldsnap.capsule.store)" % short)
 
 
 def _export_native(r: Resolved, req: CaptureRequest, endpoint: Endpoint, rb: ReceiptBuilder, progress: Progress) -> NativePayload | None:
@@ -296,7 +305,7 @@ def _capture_serving(r, req, unit, endpoint, images, log_path, rb, progress, t0,
     if r.driver.needs_release:
         with rb.phase("release_memory"):
             r.adapter.release_memory(endpoint)
-    _precheck(r, unit.root_pid, rb)
+    _precheck(r, unit, images, rb)
     unit_def = req.workload.topology.units[0]
     with rb.phase("checkpoint"), progress.waiting("checkpointing the process tree") as tick:
         if isinstance(unit, docker_unit.ContainerUnit):
@@ -310,7 +319,7 @@ def _capture_template(r, req, unit, endpoint, images, log_path, rb, progress, t0
     """Checkpoint at the pre-CUDA boundary, then let the engine go on to serve once for the recorded reply."""
     with rb.phase("boundary"), progress.waiting("waiting for the engine to reach its pre-CUDA boundary"):
         wait_for_boundary(log_path, unit.alive, req.ready_timeout_seconds)
-    _precheck(r, unit.root_pid, rb)
+    _precheck(r, unit, images, rb)
     unit_def = req.workload.topology.units[0]
     with rb.phase("checkpoint"), progress.waiting("checkpointing the template") as tick:
         image = r.driver.checkpoint(unit.root_pid, images, unit=unit_def.name, host=unit_def.host, progress=lambda m: tick(0, m))

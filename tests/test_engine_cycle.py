@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -89,6 +90,9 @@ def test_capture_wrote_a_verified_capsule_and_receipt(captured, sparkrun):
     assert doc["config"]["validation"]["reply"] == receipt["validation"]["reply"]
     assert all(l["annotations"][media.A_TITLE] for l in doc["manifest"]["layers"])
     assert "layers verified" in sparkrun.coldsnap("verify", "tiny", "--store", str(store)).stdout
+    # The room check's estimate, taken before the dump, is near what CRIU wrote.
+    estimate, written = receipt["details"]["dump_estimate_bytes"], receipt["details"]["image_bytes"]
+    assert 0.7 * written <= estimate <= 1.3 * written, (estimate, written)
 
 
 def test_sparkrun_run_restores_status_shows_stop_stops(captured, sparkrun, tmp_path):
@@ -238,3 +242,23 @@ def test_sparkrun_run_pulls_a_published_capsule_before_restoring(captured, spark
         wait_gone()
     finally:
         registry.stop()
+
+
+def test_capture_without_room_is_refused_before_the_dump_and_leaves_nothing(sparkrun, tmp_path):
+    require_engine()
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(small)], check=True)
+    try:
+        store = small / "store"
+        recipe = recipe_with_store(tmp_path, store, name="cramped.yaml")
+        cp = sparkrun.coldsnap("capture", str(recipe), "-H", "localhost", check=False)
+        assert cp.returncode != 0
+        errors = [l for l in cp.stderr.splitlines() if l.startswith("Error:")]
+        assert len(errors) == 1 and "not enough disk space for the capture: writing the process images and packing them needs about" in errors[0], cp.stderr
+        assert "free space there, or put the capsule store on a larger disk (coldsnap.capsule.store)" in errors[0]
+        wait_gone()
+        assert sparkrun.json("list", "--store", str(store), "--json")["capsules"] == []
+        assert not [p for p in store.rglob("*") if p.is_file() and "staging" in str(p)]
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
