@@ -9,7 +9,7 @@ import shutil
 import sys
 from dataclasses import asdict, dataclass
 
-from sparkrun_coldsnap import __version__, paths, plugins
+from sparkrun_coldsnap import __version__, disk_room, paths, plugins
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.drivers import criu_tool
 from sparkrun_coldsnap.hostinfo import host_facts
@@ -121,10 +121,12 @@ def _engines() -> list[Check]:
 
 def _store() -> list[Check]:
     s = CapsuleStore(paths.default_store())
+    free = disk_room.free_bytes(s.root)
+    room = "%.1f GB free; a capture needs about twice the engine's memory" % (free / 1e9)
     if not s.exists():
-        return [Check("store", "ok", "%s (not created yet)" % s.root)]
+        return [Check("store", "ok", "%s (not created yet); %s" % (s.root, room))]
     writable = os.access(s.root, os.W_OK)
-    return [Check("store", "ok" if writable else "fail", "%s: %d capsule(s)%s" % (s.root, len(s.entries()), "" if writable else ", read-only"), "" if writable else "make it writable or use --store")]
+    return [Check("store", "ok" if writable else "fail", "%s: %d capsule(s)%s; %s" % (s.root, len(s.entries()), "" if writable else ", read-only", room), "" if writable else "make it writable or use --store")]
 
 
 def run_checks() -> list[Check]:

@@ -37,6 +37,7 @@ def test_doctor_reports_criu_plugin_and_engines(sparkrun):
     assert by_name["plugin"]["status"] == "ok"
     assert "criu 4.2" in by_name["criu"]["detail"]
     assert any(n.startswith("engine env") for n in by_name)
+    assert " GB free; a capture needs about twice the engine's memory" in by_name["store"]["detail"]
 
 
 def test_doctor_reports_a_disabled_plugin(sparkrun):
