@@ -443,8 +443,8 @@ def pull_capsule(block: ColdsnapBlock, req: RestoreRequest, store: CapsuleStore)
         try:
             if transfer.pull_native(client, cap, progress=progress):
                 _say("fetched the capsule's native weight payload")
-        except RequestError as err:  # not published: auto takes the recovery path, native is refused at admission
-            _say(str(err))
+        except ColdsnapError as err:  # not published, or not fetched: auto takes the recovery path, native is refused at admission
+            _say("native weight payload not fetched: %s" % err)
 
 
 def describe_plan(req: RestoreRequest, store: CapsuleStore) -> str:

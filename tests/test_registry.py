@@ -294,3 +294,35 @@ def test_cli_publish_pull_remote_through_sparkrun(sparkrun, registry, tmp_path, 
     assert [c["digest"] for c in listing["capsules"]] == [cap.digest]
     bad = sparkrun.coldsnap("pull", "%s/capsules/tiny:nope" % registry.host, "--store", str(tmp_path / "x"), "--plain-http", check=False)
     assert bad.returncode != 0 and bad.stderr.startswith("Error: manifest capsules/tiny:nope: not found")
+
+
+def test_a_pulled_capsule_brings_its_native_payload_when_the_recipe_wants_it(registry, tmp_path, monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from sparkrun_coldsnap.recipe_block import parse_block
+    from sparkrun_coldsnap.sparkrun_bridge import pull_capsule
+
+    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "home"))
+    local, other = stores(tmp_path)
+    record = sealed_payload(tmp_path)
+    make_capsule(local, tmp_path, native=record)
+    c, ref = client(registry.host, tag="latest")
+    publish(local, "synthetic", ref, c, with_native=True, chunk=CHUNK)
+    shutil.rmtree(native_payload.directory(record))
+    req = SimpleNamespace(capsule=SimpleNamespace(ref="synthetic:latest", tag="latest"), workload=SimpleNamespace(model=SimpleNamespace(path=str(tmp_path / "m"))))
+    repo = "%s/capsules/tiny" % registry.host
+
+    recovery_only = parse_block({"weights": "recovery", "capsule": {"repository": repo, "plain_http": True}})
+    pull_capsule(recovery_only, req, other)
+    assert native_payload.problems(record)  # recovery reads the model files: no payload fetched
+    pull_capsule(parse_block({"capsule": {"repository": repo, "plain_http": True}}), req, other)
+    assert native_payload.problems(record) == [] and "fetched the capsule's native weight payload" in capsys.readouterr().err
+
+    # Published without it: auto goes on (restores take recovery) and says why.
+    make_capsule(local, tmp_path, name="bare", native=record)
+    c2, ref2 = client(registry.host, "capsules/bare", tag="latest")
+    publish(local, "bare", ref2, c2, chunk=CHUNK)
+    shutil.rmtree(native_payload.directory(record))
+    req2 = SimpleNamespace(capsule=SimpleNamespace(ref="bare:latest", tag="latest"), workload=req.workload)
+    pull_capsule(parse_block({"capsule": {"repository": "%s/capsules/bare" % registry.host, "plain_http": True}}), req2, other)
+    assert "native weight payload not fetched: capsule" in capsys.readouterr().err and native_payload.problems(record)
