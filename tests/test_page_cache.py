@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
+import pytest
+
 from capsule_factory import make_capsule, make_model
 from sparkrun_coldsnap import controller, native_payload, page_cache, weight_paths
 from sparkrun_coldsnap.capsule.store import CapsuleStore
@@ -27,7 +29,11 @@ def test_a_plan_fits_in_half_of_the_available_memory(tmp_path):
     assert not page_cache.plan([f], meminfo(tmp_path, None)).fits  # unknown: nothing is read ahead
 
 
-def test_read_ahead_reads_every_byte_once(tmp_path):
+@pytest.mark.parametrize("small_ranges", [False, True])
+def test_read_ahead_reads_every_byte_once(tmp_path, monkeypatch, small_ranges):
+    if small_ranges:  # several ranges per file, several reads per range, a short last one
+        monkeypatch.setattr(page_cache, "RANGE", 1 << 20)
+        monkeypatch.setattr(page_cache, "READ", 64 << 10)
     files = []
     for i, size in enumerate((0, 1, (16 << 20) + 5, 4096)):
         files.append(tmp_path / ("f%d" % i))
