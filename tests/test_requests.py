@@ -75,7 +75,7 @@ def test_block_unknown_key_names_the_input_and_the_allowed_keys():
 
 
 def test_block_nested_unknown_key_and_bad_values():
-    with pytest.raises(RequestError, match=r"unknown key 'capsule.repo'.*allowed keys: ca_file, name, plain_http, pull_weights, repository, store, tag"):
+    with pytest.raises(RequestError, match=r"unknown key 'capsule.repo'.*allowed keys: ca_file, name, plain_http, pull_native, pull_weights, repository, store, tag"):
         parse_block({"capsule": {"repo": "x"}}, source="r.yaml")
     with pytest.raises(RequestError, match="on_missing"):
         parse_block({"on_missing": "sometimes"}, source="r.yaml")
