@@ -469,13 +469,17 @@ def _cache_weights(cap: Capsule, req: RestoreRequest, choice: weight_paths.Weigh
     files = weight_paths.files_to_read(cap.config, choice, req.workload.model.path)
     if not files:
         return choice
-    plan = page_cache.plan(files)
-    if not plan.fits:
-        rb.details["weights_cache"] = {"skipped": plan.why_not()}
-        return choice
     t = time.monotonic()
-    with rb.phase("prepare.weights_cache"), progress.transfer("reading %d weight file(s) into the page cache" % len(files), plan.total) as tick:
-        read = page_cache.read_ahead(files, tick)
+    try:
+        plan = page_cache.plan(files)
+        if not plan.fits:
+            rb.details["weights_cache"] = {"skipped": plan.why_not()}
+            return choice
+        with rb.phase("prepare.weights_cache"), progress.transfer("reading %d weight file(s) into the page cache" % len(files), plan.total) as tick:
+            read = page_cache.read_ahead(files, tick)
+    except OSError as err:  # only a head start: hydration reads the files itself and reports what is wrong
+        rb.details["weights_cache"] = {"skipped": "reading %s failed: %s" % (err.filename or "a weight file", err.strerror)}
+        return choice
     rb.details["weights_cache"] = {"bytes": read, "seconds": round(time.monotonic() - t, 4)}
     return dataclasses.replace(choice, cached=True)
 

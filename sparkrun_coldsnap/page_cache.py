@@ -71,7 +71,7 @@ def plan(files: Sequence[Path], meminfo: Path = Path("/proc/meminfo")) -> Plan:
 def read_ahead(files: Sequence[Path], tick: Callable[[int], None] | None = None) -> int:
     """Read every file once, in ranges spread over a few threads (one large file is the usual
     case: a native payload), so the kernel keeps them cached; returns the bytes read."""
-    fds = [os.open(f, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)) for f in files]
+    fds: list[int] = []
     local = threading.local()
 
     def one(task: tuple[int, int, int]) -> int:
@@ -90,7 +90,8 @@ def read_ahead(files: Sequence[Path], tick: Callable[[int], None] | None = None)
 
     try:
         tasks = []
-        for fd in fds:
+        for f in files:
+            fds.append(fd := os.open(f, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
             size = os.fstat(fd).st_size
             tasks += [(fd, off, min(RANGE, size - off)) for off in range(0, size, RANGE)]
         with ThreadPoolExecutor(READERS) as pool:

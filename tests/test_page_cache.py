@@ -75,3 +75,9 @@ def test_preparation_caches_what_the_chosen_path_reads(tmp_path, monkeypatch):
     rb = ReceiptBuilder("restore")
     assert not controller._cache_weights(cap, req, native, rb, controller.QUIET).cached
     assert rb.details["weights_cache"] == {"skipped": "COLDSNAP_WEIGHTS_CACHE=off"}
+
+    monkeypatch.delenv("COLDSNAP_WEIGHTS_CACHE")
+    (native_payload.directory(record) / "rank-0.bin").unlink()
+    rb = ReceiptBuilder("restore")
+    assert not controller._cache_weights(cap, req, native, rb, controller.QUIET).cached
+    assert rb.details["weights_cache"]["skipped"].startswith("reading ")
