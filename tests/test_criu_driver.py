@@ -101,6 +101,34 @@ def test_capture_refuses_io_uring_and_outside_connections(tmp_path):
         listener.close()
 
 
+def test_closing_connections_are_waited_out_then_named(tmp_path):
+    """A peer that hung up leaves the workload's end in CLOSE_WAIT: capture gives it a moment to
+    close (a validation client that just finished does this), and names it if it stays."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    with io_uring_disabled():
+        unit = start(tmp_path, free_port(), "--connect", "127.0.0.1:%d" % listener.getsockname()[1])
+    try:
+        conn, _ = listener.accept()
+        (established,) = tree_inspect.outside_connections(unit.root_pid)
+        assert established[0].state == "ESTABLISHED"
+        t = time.monotonic()
+        assert tree_inspect.settled_outside_connections(unit.root_pid, settle=2.0)  # not closing: no wait
+        assert time.monotonic() - t < 1.0
+        conn.close()  # the workload never closes its end
+        deadline = time.monotonic() + 5
+        while tree_inspect.outside_connections(unit.root_pid)[0][0].state != "CLOSE_WAIT":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        t = time.monotonic()
+        (left,) = tree_inspect.settled_outside_connections(unit.root_pid, settle=1.0)
+        assert left[0].state == "CLOSE_WAIT" and time.monotonic() - t >= 1.0
+    finally:
+        kill_tree(unit.root_pid)
+        listener.close()
+
+
 def test_connections_inside_the_tree_are_allowed(tmp_path):
     with io_uring_disabled():
         unit = start(tmp_path, free_port())

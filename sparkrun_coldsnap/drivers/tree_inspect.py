@@ -11,6 +11,7 @@ import os
 import socket
 import stat
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,17 +106,58 @@ def _socket_inode(target: str) -> int | None:
     return None
 
 
-def problems(root_pid: int, *, allowed_device_prefixes: tuple[str, ...] = ()) -> list[str]:
-    """Everything in the tree that CRIU cannot capture, each with its fix."""
-    procs = tree(root_pid)
-    found: list[str] = []
+# A client that just hung up leaves the server's end in CLOSE_WAIT until the server
+# reads the end of the stream and closes it, a moment later (the validation request
+# itself, say). Such connections are waited out, briefly, rather than refused.
+CLOSING = frozenset({"CLOSE_WAIT", "FIN_WAIT1", "FIN_WAIT2", "LAST_ACK", "CLOSING"})
+SETTLE_SECONDS = 5.0
+
+
+def _socket_owners(procs: list[psutil.Process]) -> dict[int, tuple[psutil.Process, int]]:
     owner: dict[int, tuple[psutil.Process, int]] = {}
     for p in procs:
         for fd, target in fd_targets(p.pid):
             ino = _socket_inode(target)
             if ino is not None:
                 owner[ino] = (p, fd)
-            elif target == "anon_inode:[io_uring]":
+    return owner
+
+
+def outside_connections(root_pid: int) -> list[tuple[TcpSocket, psutil.Process, int]]:
+    """TCP connections the tree holds to peers outside it (CRIU cannot restore their other end)."""
+    owner = _socket_owners(tree(root_pid))
+    sockets = tcp_sockets(root_pid)
+    by_endpoints = {(s.local, s.remote): s for s in sockets}
+    out = []
+    for s in sockets:
+        if s.inode not in owner or s.state in ("LISTEN", "CLOSE"):
+            continue
+        peer = by_endpoints.get((s.remote, s.local))
+        if peer is not None and peer.inode in owner:
+            continue  # both ends inside the tree: CRIU restores the pair
+        out.append((s, *owner[s.inode]))
+    return out
+
+
+def settled_outside_connections(root_pid: int, settle: float = SETTLE_SECONDS) -> list[tuple[TcpSocket, psutil.Process, int]]:
+    """outside_connections, after waiting up to *settle* seconds for closing ones to finish closing."""
+    deadline = time.monotonic() + settle
+    found = outside_connections(root_pid)
+    while found and all(s.state in CLOSING for s, _, _ in found) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        found = outside_connections(root_pid)
+    return found
+
+
+def problems(root_pid: int, *, allowed_device_prefixes: tuple[str, ...] = ()) -> list[str]:
+    """Everything in the tree that CRIU cannot capture, each with its fix."""
+    procs = tree(root_pid)
+    found: list[str] = []
+    for p in procs:
+        for fd, target in fd_targets(p.pid):
+            if _socket_inode(target) is not None:
+                continue
+            if target == "anon_inode:[io_uring]":
                 found.append("%s fd %d: an io_uring instance; start the engine with io_uring disabled (kernel.io_uring_disabled=2)" % (_label(p), fd))
             elif target.startswith("/dev/") and not target.startswith(SHARED_MEMORY_DIRS):
                 if target in HARMLESS_DEVICES or target.startswith(("/dev/pts/",) + allowed_device_prefixes):
@@ -129,15 +171,7 @@ def problems(root_pid: int, *, allowed_device_prefixes: tuple[str, ...] = ()) ->
         for path in mapped_paths(p.pid):
             if path.startswith("/dev/") and not path.startswith(SHARED_MEMORY_DIRS + allowed_device_prefixes) and path not in HARMLESS_DEVICES:
                 found.append("%s maps device %s that this driver cannot capture" % (_label(p), path))
-    sockets = tcp_sockets(root_pid)
-    by_endpoints = {(s.local, s.remote): s for s in sockets}
-    for s in sockets:
-        if s.inode not in owner or s.state in ("LISTEN", "CLOSE"):
-            continue
-        peer = by_endpoints.get((s.remote, s.local))
-        if peer is not None and peer.inode in owner:
-            continue  # both ends inside the tree: CRIU restores the pair
-        p, fd = owner[s.inode]
+    for s, p, fd in settled_outside_connections(root_pid):
         found.append(
             "%s fd %d: TCP connection %s:%d -> %s:%d (%s) to a peer outside the workload; close it before capture"
             % (_label(p), fd, s.local[0], s.local[1], s.remote[0], s.remote[1], s.state)
