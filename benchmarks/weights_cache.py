@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sparkrun_coldsnap import page_cache, paths  # noqa: E402
+from sparkrun_coldsnap.bench import summary  # noqa: E402
 from sparkrun_coldsnap.launch.engine_env import EngineEnv  # noqa: E402
 
 
@@ -54,10 +54,6 @@ class EngineSide:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
-
-
-def summary(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def plot(doc: dict, path: Path) -> Path | None:

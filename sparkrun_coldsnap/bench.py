@@ -12,7 +12,6 @@ every path alike. Several restore paths (drivers) can share one vanilla series.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
@@ -20,7 +19,8 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Mapping
+from unittest import mock
 
 from sparkrun_coldsnap import __version__, controller, paths
 from sparkrun_coldsnap.capsule.store import CapsuleStore
@@ -42,22 +42,8 @@ class Sample:
     validated: bool = True
 
 
-def _summary(values: list[float]) -> dict[str, float]:
+def summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
-
-
-@contextlib.contextmanager
-def _environ(overrides: Mapping[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in overrides}
-    os.environ.update(overrides)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def run_paths(
@@ -82,7 +68,7 @@ def run_paths(
             if drop_cache:
                 drop_page_cache()
             progress.step("sample %d/%d: restore (%s)" % (i + 1, samples, name))
-            with _environ((environ or {}).get(name, {})):
+            with mock.patch.dict(os.environ, (environ or {}).get(name, {})):
                 prepared = controller.prepare_restore(req, store=store, progress=progress)
                 r = controller.activate_restore(prepared, log_path=log_dir / ("restore-%s-%d.log" % (name, i)), progress=progress)
             r.unit.stop()
@@ -107,8 +93,8 @@ def document(req: RestoreRequest, results: list[Sample], *, capsules: Mapping[st
         mine = [s for s in results if s.path == name]
         phase_names = sorted({k for s in mine for k in s.phases})
         out_paths[name] = {
-            "ttft": _summary([s.ttft_seconds for s in mine]),
-            "prepare": _summary([s.prepare_seconds or 0.0 for s in mine]),
+            "ttft": summary([s.ttft_seconds for s in mine]),
+            "prepare": summary([s.prepare_seconds or 0.0 for s in mine]),
             "phases_median": {k: statistics.median([s.phases.get(k, 0.0) for s in mine]) for k in phase_names},
             "speedup_median": statistics.median(van) / statistics.median([s.ttft_seconds for s in mine]),
             "all_validated": all(s.validated for s in mine),
@@ -124,7 +110,7 @@ def document(req: RestoreRequest, results: list[Sample], *, capsules: Mapping[st
         "engine": req.workload.engine,
         "model": "%s@%s" % (req.workload.model.id, req.workload.model.revision),
         "page_cache_dropped": drop_cache,
-        "vanilla_ttft": _summary(van),
+        "vanilla_ttft": summary(van),
         "paths": out_paths,
         # The first (often only) restore path, flat, for readers of one-path results.
         "driver": next(iter(out_paths)),

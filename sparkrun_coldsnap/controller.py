@@ -527,7 +527,7 @@ def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Pro
                 h = r.adapter.hydrate(
                     endpoint, path=choice.path, model_dir=w.model.path or "", native_dir=str(choice.native_dir) if choice.native_dir else None, cached=choice.cached
                 )
-            source = cap.config.weights.native.files if choice.path == "native" else cap.config.weights.files
+            source = weight_paths.source_files(cap.config, choice.path)
             rb.weights = Weights(path=h.path, seconds=round(h.seconds, 4), files=len(source), bytes=sum(f.size for f in source), note=choice.note)
             if h.details:
                 rb.details["hydrate"] = list(h.details)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from sparkrun_coldsnap import disk_room
+
 
 def coldsnap_home() -> Path:
     env = os.environ.get("COLDSNAP_HOME")
@@ -58,10 +60,12 @@ def memory_staging(needed_bytes: int) -> Path | None:
     root = Path(os.environ.get("COLDSNAP_MEMORY_STAGING", "/dev/shm"))
     if os.environ.get("COLDSNAP_MEMORY_STAGING") == "off":
         return None
+    if not root.is_dir():
+        return None
     try:
-        st = os.statvfs(root)
+        free = disk_room.free_bytes(root)
     except OSError:
         return None
-    if st.f_bavail * st.f_frsize < 2 * needed_bytes:
+    if free < 2 * needed_bytes:
         return None
     return root / "coldsnap-staging"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparkrun_coldsnap import native_payload
-from sparkrun_coldsnap.capsule.config import CapsuleConfig
+from sparkrun_coldsnap.capsule.config import CapsuleConfig, ModelFile
 from sparkrun_coldsnap.drivers.base import SnapshotDriver
 from sparkrun_coldsnap.engines.base import EngineAdapter
 from sparkrun_coldsnap.request import Workload
@@ -35,13 +35,17 @@ class WeightChoice:
     cached: bool = False  # preparation read the files into the page cache
 
 
+def source_files(cfg: CapsuleConfig, path: str) -> tuple[ModelFile, ...]:
+    """What hydration by *path* reads: the native payload's files, or the recorded model files."""
+    if path == "native":
+        return cfg.weights.native.files if cfg.weights.native is not None else ()
+    return cfg.weights.files
+
+
 def files_to_read(cfg: CapsuleConfig, choice: WeightChoice, model_dir: str | None) -> list[Path]:
-    """The files hydration by *choice* will read: the native payload, or the recorded model files."""
-    if choice.path == "native" and choice.native_dir is not None and cfg.weights.native is not None:
-        return [choice.native_dir / f.name for f in cfg.weights.native.files]
-    if choice.path == "recovery" and model_dir:
-        return [Path(model_dir) / f.name for f in cfg.weights.files]
-    return []
+    """Where on this host the files hydration by *choice* will read are."""
+    where = choice.native_dir if choice.path == "native" else (Path(model_dir) if model_dir else None)
+    return [where / f.name for f in source_files(cfg, choice.path)] if where is not None else []
 
 
 def choose(cfg: CapsuleConfig, wanted: str, adapter: EngineAdapter) -> WeightChoice:
