@@ -27,16 +27,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sparkrun_coldsnap import page_cache, paths  # noqa: E402
 from sparkrun_coldsnap.bench import summary  # noqa: E402
+from sparkrun_coldsnap.host import paths  # noqa: E402
 from sparkrun_coldsnap.launch.engine_env import EngineEnv  # noqa: E402
+from sparkrun_coldsnap.weights import page_cache  # noqa: E402
 
 
 class EngineSide:
     """The worker process, in the engine's interpreter."""
 
     def __init__(self, python: str, total: int) -> None:
-        env = dict(os.environ, PYTHONPATH=str(ROOT / "sparkrun_coldsnap" / "engine_side"))
+        env = dict(os.environ, PYTHONPATH=str(ROOT / "sparkrun_coldsnap" / "weights" / "engine_side"))
         self.proc = subprocess.Popen([python, str(ROOT / "benchmarks" / "weights_cache_worker.py"), str(total)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self._answer()
 

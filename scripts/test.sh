@@ -8,9 +8,15 @@ bash scripts/setup.sh
 if ! command -v docker-registry >/dev/null 2>&1 || ! command -v openssl >/dev/null 2>&1; then
   echo "==> installing docker-registry and openssl for the registry tests"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y -q docker-registry openssl >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q docker-registry openssl >/dev/null; }
+  # --no-upgrade: install what is missing, never upgrade what the host has (a library
+  # upgraded under a capsule makes its restores refuse).
+  apt-get install -y -q --no-upgrade docker-registry openssl >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q --no-upgrade docker-registry openssl >/dev/null; }
 fi
 export SPARKRUN_NO_TELEMETRY=1 HF_HUB_OFFLINE=1
 # Docker for the container tests: dockerd (experimental, CRIU for runc) and the CPU engine's image.
 .venv/bin/sparkrun-coldsnap setup --docker
+# Guardrails first: the linter and the type checker, as configured in pyproject.toml.
+echo "==> ruff and mypy"
+.venv/bin/ruff check sparkrun_coldsnap tests benchmarks
+.venv/bin/mypy
 exec .venv/bin/pytest -q "$@"

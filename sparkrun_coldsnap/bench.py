@@ -17,17 +17,18 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Mapping
-from unittest import mock
 
-from sparkrun_coldsnap import __version__, controller, paths
+from sparkrun_coldsnap import __version__, controller
 from sparkrun_coldsnap.capsule.store import CapsuleStore
+from sparkrun_coldsnap.documents.request import RestoreRequest
+from sparkrun_coldsnap.documents.settings import Settings
 from sparkrun_coldsnap.errors import ColdsnapError
-from sparkrun_coldsnap.page_cache import drop as drop_page_cache
+from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.progress import Progress
-from sparkrun_coldsnap.request import RestoreRequest
+from sparkrun_coldsnap.weights.page_cache import drop as drop_page_cache
 
 VANILLA = "vanilla"
 
@@ -47,11 +48,11 @@ def summary(values: list[float]) -> dict[str, float]:
 
 
 def run_paths(
-    vanilla: RestoreRequest, restores: Mapping[str, tuple[RestoreRequest, CapsuleStore]], *, samples: int, base_env: Mapping[str, str], progress: Progress,
-    drop_cache: bool = True, environ: Mapping[str, Mapping[str, str]] | None = None,
+    vanilla: RestoreRequest, restores: Mapping[str, tuple[RestoreRequest, CapsuleStore]], *, samples: int, progress: Progress,
+    drop_cache: bool = True, settings_for: Mapping[str, Settings] | None = None,
 ) -> list[Sample]:  # fmt: skip
-    """Alternate a vanilla start and every restore path, *samples* times; *environ* sets
-    this process's environment per path (the plugin's own switches) while it restores."""
+    """Alternate a vanilla start and every restore path, *samples* times; *settings_for* gives
+    a path settings of its own (the plugin's switches) while it restores."""
     log_dir = paths.run_dir() / "bench"
     log_dir.mkdir(parents=True, exist_ok=True)
     results: list[Sample] = []
@@ -59,7 +60,7 @@ def run_paths(
         if drop_cache:
             drop_page_cache()
         progress.step("sample %d/%d: vanilla start" % (i + 1, samples))
-        v = controller.start_vanilla(vanilla, base_env=base_env, log_path=log_dir / ("vanilla-%d.log" % i), progress=progress)
+        v = controller.start_vanilla(vanilla, log_path=log_dir / ("vanilla-%d.log" % i), progress=progress)
         v.unit.stop()
         results.append(Sample(VANILLA, i, v.ttft_seconds or 0.0, phases={p.name: p.seconds for p in v.receipt.phases}))
         progress.note("vanilla: first token after %.2f s" % (v.ttft_seconds or 0))
@@ -68,9 +69,8 @@ def run_paths(
             if drop_cache:
                 drop_page_cache()
             progress.step("sample %d/%d: restore (%s)" % (i + 1, samples, name))
-            with mock.patch.dict(os.environ, (environ or {}).get(name, {})):
-                prepared = controller.prepare_restore(req, store=store, progress=progress)
-                r = controller.activate_restore(prepared, log_path=log_dir / ("restore-%s-%d.log" % (name, i)), progress=progress)
+            prepared = controller.prepare_restore(req, store=store, settings=(settings_for or {}).get(name), progress=progress)
+            r = controller.activate_restore(prepared, log_path=log_dir / ("restore-%s-%d.log" % (name, i)), progress=progress)
             r.unit.stop()
             phases = {p.name: p.seconds for p in r.receipt.phases}
             results.append(Sample(name, i, r.ttft_seconds or 0.0, prepare_seconds=prepared.prepare_seconds, phases=phases, validated=bool(r.receipt.validation and r.receipt.validation.passed)))
@@ -79,9 +79,9 @@ def run_paths(
     return results
 
 
-def run(req: RestoreRequest, *, store: CapsuleStore, samples: int, base_env: Mapping[str, str], progress: Progress, drop_cache: bool = True) -> dict:
+def run(req: RestoreRequest, *, store: CapsuleStore, samples: int, progress: Progress, drop_cache: bool = True) -> dict:
     """One restore path against vanilla; returns the results document."""
-    results = run_paths(req, {req.workload.driver: (req, store)}, samples=samples, base_env=base_env, progress=progress, drop_cache=drop_cache)
+    results = run_paths(req, {req.workload.driver: (req, store)}, samples=samples, progress=progress, drop_cache=drop_cache)
     capsules = {req.workload.driver: {"ref": req.capsule.ref, "digest": store.resolve(req.capsule.ref).descriptor.digest}}
     return document(req, results, capsules=capsules, drop_cache=drop_cache)
 

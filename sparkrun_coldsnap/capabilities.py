@@ -7,15 +7,15 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from sparkrun_coldsnap import __version__, plugins
+from sparkrun_coldsnap import __version__, extensions
 from sparkrun_coldsnap.capsule import media
 from sparkrun_coldsnap.capsule.config import CAPSULE_FORMAT
-from sparkrun_coldsnap.hostinfo import host_facts
-from sparkrun_coldsnap.receipts import RECEIPT_FORMAT
-from sparkrun_coldsnap.request import REQUEST_FORMAT
-from sparkrun_coldsnap.strict import Strict
+from sparkrun_coldsnap.documents.receipts import RECEIPT_FORMAT
+from sparkrun_coldsnap.documents.request import REQUEST_FORMAT
+from sparkrun_coldsnap.documents.strict import Strict
+from sparkrun_coldsnap.host.facts import host_facts
 
-CAPABILITIES_FORMAT = 1
+CAPABILITIES_FORMAT: Literal[1] = 1
 
 
 class EngineCaps(Strict):
@@ -65,7 +65,7 @@ class Capabilities(Strict):
 
 
 def collect() -> Capabilities:
-    reg = plugins.registry()
+    reg = extensions.registry()
     host = host_facts()
     try:
         sparkrun_version = importlib.metadata.version("sparkrun")

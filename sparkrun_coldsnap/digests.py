@@ -6,7 +6,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO
 
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 CHUNK = 4 << 20
@@ -25,19 +25,10 @@ def sha256_bytes(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def sha256_stream(stream: BinaryIO) -> tuple[str, int]:
-    """Digest and byte count of everything left in *stream*."""
-    h = hashlib.sha256()
-    size = 0
-    for chunk in iter(lambda: stream.read(CHUNK), b""):
-        h.update(chunk)
-        size += len(chunk)
-    return "sha256:" + h.hexdigest(), size
-
-
 def sha256_file(path: Path) -> tuple[str, int]:
     with open(path, "rb") as f:
-        return sha256_stream(f)
+        h = hashlib.file_digest(f, "sha256")
+        return "sha256:" + h.hexdigest(), f.tell()
 
 
 def is_digest(value: str) -> bool:
@@ -74,15 +65,8 @@ class HashingReader:
         self.size += len(data)
         return data
 
-    def drain(self) -> None:
-        for _ in iter(lambda: self.read(CHUNK), b""):
-            pass
-
     @property
     def digest(self) -> str:
         return "sha256:" + self._hash.hexdigest()
 
 
-def iter_chunks(path: Path, chunk: int = CHUNK) -> Iterator[bytes]:
-    with open(path, "rb") as f:
-        yield from iter(lambda: f.read(chunk), b"")

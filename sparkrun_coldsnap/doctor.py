@@ -9,11 +9,12 @@ import shutil
 import sys
 from dataclasses import asdict, dataclass
 
-from sparkrun_coldsnap import __version__, disk_room, paths, plugins
+from sparkrun_coldsnap import __version__, extensions
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.drivers import criu_tool
-from sparkrun_coldsnap.hostinfo import host_facts
-from sparkrun_coldsnap.launch.iouring import SYSCTL
+from sparkrun_coldsnap.host import disk_room, paths
+from sparkrun_coldsnap.host.facts import host_facts
+from sparkrun_coldsnap.host.iouring import SYSCTL
 
 PINNED_SPARKRUN = "0.4.2"
 
@@ -33,7 +34,7 @@ def _sparkrun() -> list[Check]:
     except importlib.metadata.PackageNotFoundError:
         return [Check("sparkrun", "fail", "not installed", "pip install sparkrun==%s" % PINNED_SPARKRUN)]
     out.append(Check("sparkrun", "ok" if v == PINNED_SPARKRUN else "warn", "sparkrun %s" % v, "" if v == PINNED_SPARKRUN else "this plugin is tested with sparkrun %s" % PINNED_SPARKRUN))
-    from sparkrun_coldsnap.sparkrun_bridge import plugin_state
+    from sparkrun_coldsnap.integration.plugin_state import plugin_state
 
     st = plugin_state()
     providers = st["providers"]
@@ -94,7 +95,7 @@ def _host() -> list[Check]:
 def _drivers() -> list[Check]:
     host = host_facts()
     out = []
-    for d in plugins.registry().drivers_by_preference():
+    for d in extensions.registry().drivers_by_preference():
         s = d.support(host)
         out.append(Check("driver %s" % d.name, "ok" if s.ok else "warn", s.reason))
     return out
@@ -103,7 +104,7 @@ def _drivers() -> list[Check]:
 def _engines() -> list[Check]:
     from sparkrun_coldsnap.launch.engine_env import EngineEnv
 
-    reg = plugins.registry()
+    reg = extensions.registry()
     out = [Check("engine adapters", "ok", ", ".join(sorted(reg.engines)))]
     root = paths.engines_dir()
     envs = sorted(p.name for p in root.iterdir()) if root.is_dir() else []

@@ -8,12 +8,19 @@ when debugging is asked for.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sparkrun_coldsnap.documents.receipts import Receipt
+
 
 class ColdsnapError(Exception):
     """Base class: a failure the user can act on."""
 
     code = "coldsnap.error"
     exit_code = 1
+    #: the failed (or refused) receipt of the operation that raised it, when there was one.
+    receipt: Receipt | None = None
 
     def __init__(self, message: str, *, code: str | None = None) -> None:
         super().__init__(message)

@@ -7,7 +7,8 @@ entry-point group ``sparkrun_coldsnap`` and it is loaded beside ours.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pluggy
 
@@ -22,7 +23,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec
-def register_engines(register: "Callable[[EngineAdapter], None]") -> None:
+def register_engines(register: Callable[[EngineAdapter], None]) -> None:
     """Offer engine adapters.
 
     Called once, when the plugin manager is first used. ``register`` takes an
@@ -34,7 +35,7 @@ def register_engines(register: "Callable[[EngineAdapter], None]") -> None:
 
 
 @hookspec
-def register_drivers(register: "Callable[[SnapshotDriver], None]") -> None:
+def register_drivers(register: Callable[[SnapshotDriver], None]) -> None:
     """Offer snapshot drivers.
 
     Called once, when the plugin manager is first used. ``register`` takes a

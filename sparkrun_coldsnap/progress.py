@@ -8,10 +8,15 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress as RichProgress, SpinnerColumn, TextColumn, TimeElapsedColumn, TransferSpeedColumn
+from rich.progress import BarColumn, DownloadColumn, SpinnerColumn, TextColumn, TimeElapsedColumn, TransferSpeedColumn
+from rich.progress import Progress as RichProgress
+
+
+def _ignore(seconds: float, detail: str = "") -> None:
+    """The quiet progress callback."""
 
 
 class Progress:
@@ -33,7 +38,7 @@ class Progress:
     def waiting(self, text: str, *, every: float = 10.0) -> Iterator[Callable[[float, str], None]]:
         """A spinner with elapsed time; the callback takes (seconds, detail)."""
         if self.quiet:
-            yield lambda _s, _d="": None
+            yield _ignore
             return
         if self.live:
             with RichProgress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=self.console, transient=False) as bar:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from sparkrun_coldsnap.documents import settings as settings_mod
+
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "tiny-vllm-cpu.yaml"
 BIN = Path(sys.executable).parent
@@ -68,6 +70,24 @@ class Sparkrun:
 
     def json(self, *args: str) -> dict:
         return json.loads(self.coldsnap(*args).stdout)
+
+
+@pytest.fixture(autouse=True)
+def fresh_settings():
+    """No test sees settings another installed: the first use in a test reads its environment."""
+    settings_mod.forget()
+    yield
+    settings_mod.forget()
+
+
+@pytest.fixture
+def use_settings():
+    """Plugin settings for code a test runs in-process: the environment's, with changes."""
+
+    def use(**changes):
+        return settings_mod.install(settings_mod.Settings.from_environ().replace(**changes))
+
+    return use
 
 
 @pytest.fixture(scope="session")

@@ -56,7 +56,7 @@ class Registry:
     def storage(self) -> Path:
         return self.root / "storage"
 
-    def start(self) -> "Registry":
+    def start(self) -> Registry:
         import bcrypt
 
         self.root.mkdir(parents=True, exist_ok=True)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import jsonschema
 import pytest
-
 from conftest import BIN, ROOT, write_recipe
+from helpers import one_error_line
 
 VERBS = ("capture", "restore", "inspect", "list", "verify", "delete", "capabilities", "doctor", "bench", "setup")
 
@@ -49,11 +50,7 @@ def test_doctor_reports_a_disabled_plugin(sparkrun):
 
 
 def one_line_error(cp: subprocess.CompletedProcess) -> str:
-    assert cp.returncode != 0, cp.stdout
-    lines = [l for l in cp.stderr.strip().splitlines() if l.startswith("Error:")]
-    assert len(lines) == 1, cp.stderr
-    assert "Traceback" not in cp.stderr
-    return lines[0]
+    return one_error_line(cp.returncode, cp.stderr)
 
 
 def test_malformed_yaml(sparkrun, tmp_path):
@@ -111,13 +108,14 @@ def written_payload(directory):
     return directory
 
 
-def test_delete_removes_the_native_payload_no_other_capsule_needs(sparkrun, tmp_path, monkeypatch):
-    from capsule_factory import make_capsule
-    from sparkrun_coldsnap import native_payload
+def test_delete_removes_the_native_payload_no_other_capsule_needs(sparkrun, tmp_path, monkeypatch, use_settings):
+    from helpers import make_capsule
+
     from sparkrun_coldsnap.capsule.store import CapsuleStore
+    from sparkrun_coldsnap.weights import native_payload
 
     home = str(tmp_path / "home")
-    monkeypatch.setenv("COLDSNAP_HOME", home)
+    use_settings(home=Path(home))
     monkeypatch.setitem(sparkrun.env, "COLDSNAP_HOME", home)
     record = native_payload.seal(written_payload(tmp_path / "written"))
     store = CapsuleStore(tmp_path / "store").init()

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pluggy
 import pytest
 
-from sparkrun_coldsnap import hookspecs, plugins
-from sparkrun_coldsnap.compat import Fingerprint, GpuInfo, TopologyFacts, compare, cpu_features
+from sparkrun_coldsnap import extensions, hookspecs
+from sparkrun_coldsnap.compat.fingerprint import Fingerprint, TopologyFacts, compare
 from sparkrun_coldsnap.drivers.base import SnapshotDriver, Support
 from sparkrun_coldsnap.engines.vllm import VllmAdapter
 from sparkrun_coldsnap.errors import RequestError
+from sparkrun_coldsnap.host.facts import GpuInfo, cpu_features
 
 
 def fp(**kw) -> Fingerprint:
@@ -67,7 +68,7 @@ def test_cpu_features_read_from_cpuinfo():
 
 
 def test_bundled_adapters_and_drivers_register_through_the_hooks():
-    reg = plugins.collect(plugins.make_manager(load_entry_points=False))
+    reg = extensions.collect(extensions.make_manager(load_entry_points=False))
     assert {"vllm", "sglang"} <= set(reg.engines)
     assert "cpu" in reg.drivers
     assert reg.engine_for_runtime("vllm-distributed").name == "vllm"
@@ -106,9 +107,9 @@ class ThirdParty:
 
 
 def test_a_third_party_plugin_joins_the_registry():
-    pm = plugins.make_manager(load_entry_points=False)
+    pm = extensions.make_manager(load_entry_points=False)
     pm.register(ThirdParty(), name="example-plugin")
-    reg = plugins.collect(pm)
+    reg = extensions.collect(pm)
     assert reg.driver("example").summary == "a third-party driver"
     assert "cpu" in reg.drivers
 
@@ -119,10 +120,10 @@ def test_two_plugins_claiming_one_name_are_an_error():
         def register_engines(self, register):
             register(VllmAdapter())
 
-    pm = plugins.make_manager(load_entry_points=False)
+    pm = extensions.make_manager(load_entry_points=False)
     pm.register(Clash(), name="clash")
     with pytest.raises(RequestError, match="two engine plugins claim the name 'vllm'"):
-        plugins.collect(pm)
+        extensions.collect(pm)
 
 
 def test_hookspecs_are_typed_and_documented():

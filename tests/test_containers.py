@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 import requests
-
 from conftest import RECIPE, require_engine, write_recipe
+
 from sparkrun_coldsnap.launch import checkpoint_leftovers
 
 pytestmark = pytest.mark.engine

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 import requests
-
 from registry_fixtures import free_port
+
 from sparkrun_coldsnap.drivers import tree_inspect
 from sparkrun_coldsnap.drivers.cpu import CpuDriver
-from sparkrun_coldsnap.launch.iouring import SYSCTL, io_uring_disabled
-from sparkrun_coldsnap.launch.local import kill_tree, start_unit, tree_pids
+from sparkrun_coldsnap.host.iouring import SYSCTL, io_uring_disabled
+from sparkrun_coldsnap.host.process_tree import kill_tree, tree_pids
+from sparkrun_coldsnap.launch.local import start_unit
 
 SERVER = Path(__file__).parent / "workloads" / "server.py"
 
@@ -154,7 +155,7 @@ def test_template_boundary_dump_resume_and_restore(tmp_path):
             assert driver.precheck(unit.root_pid) == []
             image = driver.checkpoint(unit.root_pid, tmp_path / "images", unit="solo", host="localhost", progress=lambda m: None)
             assert unit.alive() and len(image.pids) == 1  # left running, nothing spawned yet
-            driver.resume(unit.root_pid)
+            driver.after_checkpoint(unit.root_pid)
             assert wait_http("http://127.0.0.1:%d/state" % port).strip() == "1"
         finally:
             kill_tree(unit.root_pid)

@@ -16,8 +16,7 @@ from sparkrun_coldsnap.drivers import cuda_checkpoint as cc
 from sparkrun_coldsnap.drivers.criu_tree import pid_problems
 from sparkrun_coldsnap.drivers.nvidia import checkpoint_api_problem
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
-from sparkrun_coldsnap.hostinfo import GpuFacts, HostFacts
-from sparkrun_coldsnap.compat import GpuInfo
+from sparkrun_coldsnap.host.facts import GpuFacts, GpuInfo, HostFacts
 
 
 class FakeCheckpointApi:
@@ -122,8 +121,8 @@ def test_moving_onto_another_gpu_maps_every_gpu_of_the_capture_host():
     assert cc.gpu_pairs([b], [a, b, c], [x, y, z], [x, y, z]) == [(b, x), (a, y), (c, z)]
 
 
-def test_restoring_onto_fewer_gpus_than_captured_is_refused(monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+def test_restoring_onto_fewer_gpus_than_captured_is_refused(use_settings):
+    use_settings(cuda_visible_devices="1")
     with pytest.raises(RestoreError, match=r"used 2 GPUs but only 1 are visible here \(CUDA_VISIBLE_DEVICES=1\)"):
         cc.gpu_pairs(["GPU-a", "GPU-b"], ["GPU-a", "GPU-b"], ["GPU-a", "GPU-b"], ["GPU-b"])
     with pytest.raises(RestoreError, match="captured on a host with 2 GPUs and this one has 1"):

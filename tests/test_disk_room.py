@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sparkrun_coldsnap import disk_room
+from sparkrun_coldsnap.host import disk_room
 
 ROLLUP = """55ba5cfe2000-7ffd9bd36000 ---p 00000000 00:00 0                          [rollup]
 Rss:              900000 kB

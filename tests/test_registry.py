@@ -6,20 +6,21 @@ import base64
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import requests
-
-from capsule_factory import make_capsule, make_model
+from helpers import make_capsule, make_model
 from registry_fixtures import CutProxy, Registry, free_port
-from sparkrun_coldsnap.capsule import media
+
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
+from sparkrun_coldsnap.capsule import media
 from sparkrun_coldsnap.capsule.reference import parse
 from sparkrun_coldsnap.capsule.registry import RegistryClient, Transport
 from sparkrun_coldsnap.capsule.store import CapsuleStore
-from sparkrun_coldsnap import native_payload
 from sparkrun_coldsnap.capsule.transfer import publish, pull, pull_native, pull_weights, remote_capsules
 from sparkrun_coldsnap.errors import IntegrityError, NotFoundError, RegistryError, RequestError, StoreError
+from sparkrun_coldsnap.weights import native_payload
 
 CHUNK = 1 << 20
 
@@ -94,8 +95,8 @@ def sealed_payload(tmp_path):
     return native_payload.seal(staged)
 
 
-def test_native_payload_travels_as_a_referrer_of_the_capsule(registry, tmp_path, monkeypatch):
-    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "home"))
+def test_native_payload_travels_as_a_referrer_of_the_capsule(registry, tmp_path, use_settings):
+    use_settings(home=tmp_path / "home")
     local, other = stores(tmp_path)
     record = sealed_payload(tmp_path)
     model = make_model(tmp_path / "model")
@@ -121,8 +122,8 @@ def test_native_payload_travels_as_a_referrer_of_the_capsule(registry, tmp_path,
     assert pull_native(c, pulled) == len(record.files) and native_payload.problems(record) == []
 
 
-def test_native_payload_refusals(registry, tmp_path, monkeypatch):
-    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "home"))
+def test_native_payload_refusals(registry, tmp_path, use_settings):
+    use_settings(home=tmp_path / "home")
     local, other = stores(tmp_path)
     make_capsule(local, tmp_path, name="plain")
     c, ref = client(registry.host)
@@ -237,7 +238,7 @@ def docker_config(tmp_path, host, user, password):
     return d
 
 
-def test_basic_auth_from_docker_config(tmp_path, monkeypatch):
+def test_basic_auth_from_docker_config(tmp_path, monkeypatch, use_settings):
     reg = Registry(tmp_path / "auth-registry", user="alice", password="s3cret-pass").start()
     try:
         local, other = stores(tmp_path)
@@ -248,12 +249,12 @@ def test_basic_auth_from_docker_config(tmp_path, monkeypatch):
         c, ref = client(reg.host)
         with pytest.raises(RegistryError, match="requires credentials .*docker login") as e:
             publish(local, "synthetic", ref, c, chunk=CHUNK)
-        monkeypatch.setenv("DOCKER_CONFIG", str(docker_config(tmp_path, reg.host, "alice", "wrong-pass")))
+        use_settings(credential_files=(docker_config(tmp_path, reg.host, "alice", "wrong-pass") / "config.json",))
         c, ref = client(reg.host)
         with pytest.raises(RegistryError, match="refused the credentials") as e:
             publish(local, "synthetic", ref, c, chunk=CHUNK)
         assert "wrong-pass" not in str(e.value)
-        monkeypatch.setenv("DOCKER_CONFIG", str(docker_config(tmp_path, reg.host, "alice", "s3cret-pass")))
+        use_settings(credential_files=(docker_config(tmp_path, reg.host, "alice", "s3cret-pass") / "config.json",))
         c, ref = client(reg.host)
         assert publish(local, "synthetic", ref, c, chunk=CHUNK).blobs_pushed > 0
         assert pull(c, ref, other).capsule.ref == "synthetic:v1"
@@ -276,9 +277,9 @@ def test_tls_with_a_self_signed_certificate(tmp_path):
         reg.stop()
 
 
-def test_cli_publish_pull_remote_through_sparkrun(sparkrun, registry, tmp_path, monkeypatch):
+def test_cli_publish_pull_remote_through_sparkrun(sparkrun, registry, tmp_path, monkeypatch, use_settings):
     home = str(tmp_path / "home")
-    monkeypatch.setenv("COLDSNAP_HOME", home)
+    use_settings(home=Path(home))
     monkeypatch.setitem(sparkrun.env, "COLDSNAP_HOME", home)
     local, _ = stores(tmp_path)
     record = sealed_payload(tmp_path)
@@ -296,13 +297,13 @@ def test_cli_publish_pull_remote_through_sparkrun(sparkrun, registry, tmp_path, 
     assert bad.returncode != 0 and bad.stderr.startswith("Error: manifest capsules/tiny:nope: not found")
 
 
-def test_a_pulled_capsule_brings_its_native_payload_when_the_recipe_wants_it(registry, tmp_path, monkeypatch, capsys):
+def test_a_pulled_capsule_brings_its_native_payload_when_the_recipe_wants_it(registry, tmp_path, monkeypatch, capsys, use_settings):
     from types import SimpleNamespace
 
-    from sparkrun_coldsnap.recipe_block import parse_block
-    from sparkrun_coldsnap.sparkrun_bridge import pull_capsule
+    from sparkrun_coldsnap.documents.recipe_block import parse_block
+    from sparkrun_coldsnap.integration.strategy import pull_capsule
 
-    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "home"))
+    use_settings(home=tmp_path / "home")
     local, other = stores(tmp_path)
     record = sealed_payload(tmp_path)
     make_capsule(local, tmp_path, native=record)

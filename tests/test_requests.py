@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from sparkrun_coldsnap.documents.recipe_block import parse_block
+from sparkrun_coldsnap.documents.request import CapsuleName, CaptureRequest, Launch, LaunchUnit, ModelRef, Topology, ValidationSpec, Workload
 from sparkrun_coldsnap.errors import RequestError
-from sparkrun_coldsnap.recipe_block import parse_block
-from sparkrun_coldsnap.request import CaptureRequest, CapsuleName, Launch, LaunchUnit, ModelRef, Topology, ValidationSpec, Workload
 
 REV = "973ff5dd93da77ddc2a1bffa8e29d4d207f245dd"
 

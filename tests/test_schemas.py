@@ -6,10 +6,10 @@ import json
 
 import jsonschema
 import pytest
-
 from conftest import ROOT
-from sparkrun_coldsnap import schemas
-from sparkrun_coldsnap.receipts import ReceiptBuilder
+
+from sparkrun_coldsnap.documents import schemas
+from sparkrun_coldsnap.documents.receipts import ReceiptBuilder
 from sparkrun_coldsnap.errors import CompatibilityError
 
 SCHEMAS = ROOT / "docs" / "schemas"

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 import requests
-
-from registry_fixtures import free_port
 from conftest import RECIPE, hf_home
-from sparkrun_coldsnap import plugins
+from registry_fixtures import free_port
+
+from sparkrun_coldsnap import extensions
 from sparkrun_coldsnap.engines.base import Endpoint
 from sparkrun_coldsnap.errors import EngineError
-from sparkrun_coldsnap.launch.local import kill_tree, start_unit
+from sparkrun_coldsnap.host.process_tree import kill_tree
+from sparkrun_coldsnap.launch.local import start_unit
 
 FAKE = Path(__file__).parent / "fakes" / "fake_sglang.py"
 
@@ -37,7 +38,7 @@ def model_dir(tmp_path: Path, payload: bytes = b"weights-v1") -> Path:
 def fake(tmp_path):
     port = free_port()
     mdir = model_dir(tmp_path)
-    adapter = plugins.registry().engine_for_runtime("sglang")
+    adapter = extensions.registry().engine_for_runtime("sglang")
     command, env = adapter.prepare_launch("%s %s --model-path %s --port %d --served-model-name test/model" % (sys.executable, FAKE, mdir, port), {}, release_weights=True)
     unit = start_unit(command, env={"PATH": "/usr/bin:/bin"}, log_path=tmp_path / "fake.log")
     yield adapter, Endpoint("http://127.0.0.1:%d" % port, "test/model"), unit, mdir

@@ -25,15 +25,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from sparkrun_coldsnap import bench, controller, paths  # noqa: E402
-from sparkrun_coldsnap import request as rq  # noqa: E402
+from sparkrun_coldsnap import bench, controller  # noqa: E402
 from sparkrun_coldsnap.capsule.store import CapsuleStore  # noqa: E402
-from sparkrun_coldsnap.errors import ColdsnapError  # noqa: E402
+from sparkrun_coldsnap.documents import request as rq  # noqa: E402
+from sparkrun_coldsnap.documents import settings  # noqa: E402
+from sparkrun_coldsnap.documents.receipts import write_receipt  # noqa: E402
 from sparkrun_coldsnap.drivers import nvidia  # noqa: E402
-from sparkrun_coldsnap.hostinfo import gpu_facts  # noqa: E402
-from sparkrun_coldsnap.launch.local import tree_pids  # noqa: E402
+from sparkrun_coldsnap.errors import ColdsnapError  # noqa: E402
+from sparkrun_coldsnap.host import paths  # noqa: E402
+from sparkrun_coldsnap.host.facts import gpu_facts  # noqa: E402
+from sparkrun_coldsnap.host.process_tree import tree_pids  # noqa: E402
 from sparkrun_coldsnap.progress import Progress  # noqa: E402
-from sparkrun_coldsnap.receipts import write_receipt  # noqa: E402
 
 PROMPT = "Reply with one short sentence: what is a cold start?"
 PORT = 8000
@@ -127,10 +129,10 @@ def cmd_capture(args) -> None:
         cap, _ = requests_for(args, driver)
         bench.drop_page_cache()
         try:
-            out = controller.capture(cap, store=store, base_env=dict(os.environ), progress=progress)
+            out = controller.capture(cap, store=store, progress=progress)
             receipt = out.receipt
         except ColdsnapError as err:
-            receipt = getattr(err, "receipt", None)
+            receipt = err.receipt
             print("capture with %s failed: %s" % (driver, err), flush=True)
         if receipt is not None:
             write_receipt(receipt, args.out / ("capture-%s.json" % driver))
@@ -153,7 +155,7 @@ def restores_for(args, store: CapsuleStore) -> tuple[dict, dict, dict]:
         label = (driver if weights == "auto" else "%s %s" % (driver, weights)) + ("" if cache else ", no cache")
         restores[label] = (res, store)
         capsules[label] = {"ref": res.capsule.ref, "digest": entry.descriptor.digest}
-        environ[label] = {"COLDSNAP_WEIGHTS_CACHE": "auto" if cache else "off"}
+        environ[label] = settings.Settings.from_environ({**os.environ, "COLDSNAP_WEIGHTS_CACHE": "auto" if cache else "off"})
     return restores, capsules, environ
 
 
@@ -164,7 +166,7 @@ def cmd_samples(args) -> None:
         sys.exit("nothing to measure")
     vanilla = next(iter(restores.values()))[0]
     # Vanilla starts without sleep mode, as a user would run it.
-    new = bench.run_paths(vanilla, restores, samples=args.samples, base_env=dict(os.environ), progress=Progress(), drop_cache=True, environ=environ)
+    new = bench.run_paths(vanilla, restores, samples=args.samples, progress=Progress(), drop_cache=True, settings_for=environ)
     # Samples accumulate across calls (one call may not hold them all): kept beside the store.
     kept = args.work / "samples.json"
     old = [bench.Sample(**s) for s in json.loads(kept.read_text())] if kept.exists() else []
@@ -186,6 +188,7 @@ def cmd_other_gpu(args) -> None:
     store = CapsuleStore(args.work / "store")
     restores, capsules, _ = restores_for(args, store)
     os.environ["CUDA_VISIBLE_DEVICES"] = args.restore_gpus
+    settings.install(settings.Settings.from_environ())  # the restoring side's GPUs
     log_dir = paths.run_dir() / "bench"
     log_dir.mkdir(parents=True, exist_ok=True)
     report = {"restore_gpus": args.restore_gpus, "gpus": [g.uuid for g in gpu_facts().gpus], "runs": []}
@@ -200,7 +203,7 @@ def cmd_other_gpu(args) -> None:
             out.unit.stop()
         except ColdsnapError as err:
             run.update(error=str(err), validated=False)
-            receipt = getattr(err, "receipt", None)
+            receipt = err.receipt
             if receipt is not None:
                 run["phases"] = {p.name: p.seconds for p in receipt.phases}
         report["runs"].append(run)

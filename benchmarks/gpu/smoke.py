@@ -20,9 +20,10 @@ sys.path.insert(0, str(ROOT))
 
 from sparkrun_coldsnap.drivers.n610 import N610Driver  # noqa: E402
 from sparkrun_coldsnap.drivers.nvidia import gpus_of  # noqa: E402
-from sparkrun_coldsnap.hostinfo import host_facts  # noqa: E402
-from sparkrun_coldsnap.launch.iouring import io_uring_disabled  # noqa: E402
-from sparkrun_coldsnap.launch.local import kill_tree, start_unit, tree_pids  # noqa: E402
+from sparkrun_coldsnap.host.facts import host_facts  # noqa: E402
+from sparkrun_coldsnap.host.iouring import io_uring_disabled  # noqa: E402
+from sparkrun_coldsnap.host.process_tree import kill_tree, tree_pids  # noqa: E402
+from sparkrun_coldsnap.launch.local import start_unit  # noqa: E402
 
 
 def ask(port: int, timeout: float = 120) -> str:
@@ -75,7 +76,7 @@ def main() -> None:
             os.environ["CUDA_VISIBLE_DEVICES"] = args.restore_gpus  # the restoring side's choice, as a user would set it
         warm = driver.warm_up(image) if args.warm else None
         if warm is not None:
-            warm.driver_version  # wait for its CUDA initialization: off the clock
+            _ = warm.driver_version  # wait for its CUDA initialization: off the clock
         report["warm_helper"] = warm is not None
         t = time.monotonic()
         restored = driver.restore(image, work / "images", log_path=work / "r.log", progress=print, warm=warm)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from pydantic import ValidationError as PydanticValidationError
 
@@ -38,7 +39,7 @@ class Capsule:
 
 
 def now_iso() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
 
 def build_manifest(config_desc: Descriptor, layers: list[Descriptor], config: CapsuleConfig) -> dict[str, Any]:

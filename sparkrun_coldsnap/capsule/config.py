@@ -6,12 +6,12 @@ from typing import Literal
 
 from pydantic import Field
 
-from sparkrun_coldsnap.compat import Fingerprint
+from sparkrun_coldsnap.compat.fingerprint import Fingerprint
+from sparkrun_coldsnap.documents.request import Workload
+from sparkrun_coldsnap.documents.strict import Strict
 from sparkrun_coldsnap.drivers.base import UnitImage
-from sparkrun_coldsnap.request import Workload
-from sparkrun_coldsnap.strict import Strict
 
-CAPSULE_FORMAT = 1
+CAPSULE_FORMAT: Literal[1] = 1
 
 
 class ModelFile(Strict):

@@ -14,16 +14,17 @@ from __future__ import annotations
 import hashlib
 import os
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 import zstandard
 
 from sparkrun_coldsnap.capsule import media
 from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor
 from sparkrun_coldsnap.errors import IntegrityError, StoreError
-from sparkrun_coldsnap.sparse import write_sparse
+from sparkrun_coldsnap.host.sparse import write_sparse
 
 SAMPLE = 4 << 20
 PAYS_RATIO = 0.8
@@ -108,7 +109,7 @@ def pack_unit(images: Path, unit: str, out_dir: Path, *, tick: Tick | None = Non
                 hw = _HashingWriter(raw)
                 if compress:
                     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1, write_content_size=False)
-                    stream: BinaryIO = cctx.stream_writer(hw, closefd=False)  # type: ignore[assignment]
+                    stream: BinaryIO = cctx.stream_writer(hw, closefd=False)  # type: ignore[arg-type]
                 else:
                     stream = hw  # type: ignore[assignment]
                 with tarfile.open(fileobj=stream, mode="w|", format=tarfile.PAX_FORMAT) as tar:
@@ -157,7 +158,7 @@ def unpack_layer(store: CapsuleStore, desc: Descriptor, dest: Path, *, tick: Tic
     written = 0
     with store.open_blob(desc) as blob:
         counted = _CountingReader(blob, tick)  # type: ignore[arg-type]
-        source: BinaryIO = zstandard.ZstdDecompressor().stream_reader(counted, closefd=False) if desc.media_type == media.LAYER_TAR_ZSTD else counted  # type: ignore[assignment]
+        source: BinaryIO = zstandard.ZstdDecompressor().stream_reader(counted, closefd=False) if desc.media_type == media.LAYER_TAR_ZSTD else counted  # type: ignore[arg-type, assignment]
         try:
             with tarfile.open(fileobj=source, mode="r|") as tar:
                 for member in tar:
@@ -169,7 +170,7 @@ def unpack_layer(store: CapsuleStore, desc: Descriptor, dest: Path, *, tick: Tic
                     data = tar.extractfile(member)
                     assert data is not None
                     with open(target, "wb") as out:
-                        written += write_sparse(data, out, member.size)
+                        written += write_sparse(data, out, member.size)  # type: ignore[arg-type]
                     os.chmod(target, member.mode & 0o7777)
         except (tarfile.TarError, zstandard.ZstdError, EOFError) as err:
             blob.verify_rest()  # a damaged blob is the likelier story: say so if it is

@@ -24,10 +24,10 @@ class Reference:
         """What goes after /manifests/: the digest when there is one, else the tag."""
         return self.digest or self.tag or "latest"
 
-    def with_tag(self, tag: str) -> "Reference":
+    def with_tag(self, tag: str) -> Reference:
         return Reference(self.registry, self.repository, tag, None)
 
-    def with_digest(self, digest: str) -> "Reference":
+    def with_digest(self, digest: str) -> Reference:
         return Reference(self.registry, self.repository, None, digest)
 
     def __str__(self) -> str:

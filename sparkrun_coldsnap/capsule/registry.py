@@ -15,20 +15,21 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO
 from urllib.parse import urljoin
 
 import requests
 
-from sparkrun_coldsnap.atomic import write_bytes
 from sparkrun_coldsnap.capsule import media
 from sparkrun_coldsnap.capsule.reference import Reference
 from sparkrun_coldsnap.digests import CHUNK, sha256_bytes, short
+from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.errors import IntegrityError, NotFoundError, RegistryError
+from sparkrun_coldsnap.host.atomic import write_bytes
 
 DEFAULT_CHUNK = 16 << 20
 MANIFEST_TYPES = (media.OCI_MANIFEST, media.OCI_INDEX)
@@ -44,15 +45,7 @@ class Transport:
 
 def credential_files() -> list[str]:
     """Where credentials may be, besides ``~/.docker/config.json`` (oras-py reads that one)."""
-    out = []
-    if os.environ.get("DOCKER_CONFIG"):
-        out.append(os.path.join(os.environ["DOCKER_CONFIG"], "config.json"))
-    for env in ("REGISTRY_AUTH_FILE",):
-        if os.environ.get(env):
-            out.append(os.environ[env])
-    if os.environ.get("XDG_RUNTIME_DIR"):
-        out.append(os.path.join(os.environ["XDG_RUNTIME_DIR"], "containers", "auth.json"))
-    return [p for p in out if os.path.exists(p)]
+    return [str(p) for p in settings.current().credential_files if p.exists()]
 
 
 def _oci_errors(r: requests.Response) -> str:
@@ -90,8 +83,10 @@ class RegistryClient:
             auth.load_configs(self._oras.get_container(str(self.ref.with_tag(self.ref.tag or "latest"))), configs=credential_files())
         except Exception:  # noqa: BLE001 - unreadable credential files: go on anonymously
             pass
-        encoded = getattr(auth, "_basic_auth", None)
-        if not encoded:
+        # The basic-auth backend's header carries what it found (ORAS_USER/ORAS_PASS, the
+        # credential files, their credential helpers); "Basic None" when it found nothing.
+        scheme, _, encoded = auth.get_auth_header().get("Authorization", "").partition(" ")
+        if scheme != "Basic" or encoded in ("", "None"):
             return None
         user, _, password = base64.b64decode(encoded).decode(errors="replace").partition(":")
         return user, password

@@ -18,14 +18,16 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO
 
-from sparkrun_coldsnap.atomic import explain_os_error, fsync_dir, staging_dir, write_bytes
 from sparkrun_coldsnap.capsule import media
 from sparkrun_coldsnap.digests import CHUNK, HashingReader, canonical_json, hex_of, is_digest, sha256_bytes, short
 from sparkrun_coldsnap.errors import IntegrityError, NotFoundError, RequestError, StoreError
+from sparkrun_coldsnap.host import paths
+from sparkrun_coldsnap.host.atomic import explain_os_error, fsync_dir, staging_dir, write_bytes
 
 LAYOUT_VERSION = {"imageLayoutVersion": "1.0.0"}
 
@@ -47,7 +49,7 @@ class Descriptor:
         return out
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> "Descriptor":
+    def from_json(cls, doc: dict[str, Any]) -> Descriptor:
         try:
             digest = doc["digest"]
             if not is_digest(digest):
@@ -96,12 +98,11 @@ class VerifiedReader:
     def _check_if_done(self, data: bytes, n: int) -> None:
         if self._reader.size > self.size:
             raise IntegrityError("blob %s is larger than recorded (%d > %d bytes): the store is damaged; delete and re-pull or recapture" % (short(self.digest), self._reader.size, self.size))
-        if not data or n < 0:
-            if self._reader.size != self.size or self._reader.digest != self.digest:
-                raise IntegrityError(
-                    "blob %s failed verification (got %s, %d bytes): the store is damaged; delete the capsule and re-pull or recapture"
-                    % (short(self.digest), short(self._reader.digest), self._reader.size)
-                )
+        if (not data or n < 0) and (self._reader.size != self.size or self._reader.digest != self.digest):
+            raise IntegrityError(
+                "blob %s failed verification (got %s, %d bytes): the store is damaged; delete the capsule and re-pull or recapture"
+                % (short(self.digest), short(self._reader.digest), self._reader.size)
+            )
 
     def verify_rest(self) -> None:
         """Read to the end, so the digest check runs even if the consumer stopped early."""
@@ -135,7 +136,7 @@ class CapsuleStore:
     def exists(self) -> bool:
         return (self.root / "oci-layout").is_file() and (self.root / "index.json").is_file()
 
-    def init(self) -> "CapsuleStore":
+    def init(self) -> CapsuleStore:
         """Create the layout if missing; check it if present."""
         if self.root.exists() and not self.root.is_dir():
             raise RequestError("capsule store %s is not a directory: point the store elsewhere" % self.root)
@@ -156,10 +157,6 @@ class CapsuleStore:
         if not (self.root / "index.json").exists():
             self._write_index([])
         return self
-
-    def _require(self) -> None:
-        if not self.exists():
-            raise NotFoundError("no capsule store at %s: capture a capsule first, or pass --store with an existing store" % self.root)
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -369,3 +366,9 @@ class CapsuleStore:
             return Path(tempfile.mkdtemp(prefix=prefix, dir=self.staging))
         except OSError as err:
             raise StoreError(explain_os_error(err, self.staging)) from err
+
+
+def choose_store(explicit: str | Path | None, configured: str | None) -> CapsuleStore:
+    """The store an operation uses: the one asked for (--store), else the recipe's, else the default."""
+    chosen = explicit or configured
+    return CapsuleStore(Path(chosen).expanduser() if chosen else paths.default_store())

@@ -24,12 +24,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sparkrun_coldsnap import native_payload
-from sparkrun_coldsnap import weights as weights_mod
 from sparkrun_coldsnap.capsule import media
 from sparkrun_coldsnap.capsule.capsule import Capsule, open_capsule, parse_config, parse_manifest
 from sparkrun_coldsnap.capsule.config import ModelFile, NativePayload, WeightsRecord
@@ -37,8 +36,9 @@ from sparkrun_coldsnap.capsule.reference import Reference
 from sparkrun_coldsnap.capsule.registry import DEFAULT_CHUNK, RegistryClient
 from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor, split_ref
 from sparkrun_coldsnap.digests import canonical_json, sha256_bytes, short
-from sparkrun_coldsnap.errors import IntegrityError, RequestError, StoreError
+from sparkrun_coldsnap.errors import ColdsnapError, IntegrityError, RequestError, StoreError
 from sparkrun_coldsnap.progress import QUIET, Progress
+from sparkrun_coldsnap.weights import model_files, native_payload
 
 A_WEIGHTS_ARTIFACT = media.PREFIX + ".weights-artifact"
 
@@ -101,7 +101,7 @@ def _push_files(client: RegistryClient, files: tuple[ModelFile, ...], directory:
 
 
 def push_weights(client: RegistryClient, record: WeightsRecord, model_dir: Path, *, staging: Path, chunk: int, progress: Progress) -> Descriptor:
-    problems = weights_mod.verify(model_dir, record.files)
+    problems = model_files.verify(model_dir, record.files)
     if problems:
         raise IntegrityError("cannot publish the weights: %s" % "; ".join(problems))
     manifest, config = weights_artifact(record)
@@ -170,8 +170,8 @@ def publish(
         client.add_referrer(weights_digest, {"mediaType": media.OCI_MANIFEST, "digest": digest, "size": len(manifest_bytes), "artifactType": media.ARTIFACT_TYPE, "annotations": annotations})
     native_digest = None
     if native is not None:
-        subject = {"mediaType": media.OCI_MANIFEST, "digest": digest, "size": len(manifest_bytes)}
-        native_digest = push_native(client, native, subject, staging=staging, chunk=chunk, progress=progress)
+        capsule_subject: dict[str, Any] = {"mediaType": media.OCI_MANIFEST, "digest": digest, "size": len(manifest_bytes)}
+        native_digest = push_native(client, native, capsule_subject, staging=staging, chunk=chunk, progress=progress)
     return PublishResult(str(target.with_tag(tag)), digest, pushed, present, weights_digest, native_digest)
 
 
@@ -237,7 +237,7 @@ def pull_weights(client: RegistryClient, cap: Capsule, model_dir: Path, *, progr
         raise StoreError("the subject of capsule %s is a %s, not a weights artifact" % (short(cap.digest), doc.get("artifactType")))
     wanted = {f.name: f for f in cap.config.weights.files}
     model_dir.mkdir(parents=True, exist_ok=True)
-    missing = [f for f in wanted.values() if weights_mod.verify(model_dir, (f,))]
+    missing = [f for f in wanted.values() if model_files.verify(model_dir, (f,))]
     fetched = 0
     with progress.transfer("pulling weights %s" % cap.config.weights.model_id, sum(f.size for f in missing)) as tick:
         for f in missing:
@@ -275,6 +275,37 @@ def pull_native(client: RegistryClient, cap: Capsule, *, progress: Progress = QU
             client.fetch_blob(f.sha256, f.size, target, tick=tick)
     native_payload.install(staged, record)
     return len(record.files)
+
+
+@dataclass
+class CompanionPull:
+    """A capsule pulled with what was asked of its companions: weight files, native payload."""
+
+    result: PullResult
+    weight_files: int = 0
+    native_files: int = 0
+    #: why the native payload was not fetched, when it was optional.
+    native_error: str | None = None
+
+
+def pull_with_companions(
+    client: RegistryClient, ref: Reference, store: CapsuleStore, *, local_ref: str | None, model_dir_of: Callable[[Capsule], Path],
+    want_weights: Callable[[Capsule], bool], want_native: Callable[[Capsule], bool], native_optional: bool = False, progress: Progress = QUIET,
+) -> CompanionPull:  # fmt: skip
+    """The one pull sequence: the capsule, then (as *want_weights* / *want_native* decide for
+    the capsule that arrived) its model files into *model_dir_of(capsule)* and its native payload."""
+    out = CompanionPull(pull(client, ref, store, local_ref=local_ref, progress=progress))
+    cap = out.result.capsule
+    if want_weights(cap):
+        out.weight_files = pull_weights(client, cap, model_dir_of(cap), progress=progress)
+    if want_native(cap):
+        try:
+            out.native_files = pull_native(client, cap, progress=progress)
+        except ColdsnapError as err:
+            if not native_optional:
+                raise
+            out.native_error = str(err)
+    return out
 
 
 def remote_capsules(client: RegistryClient) -> list[dict[str, Any]]:

@@ -1,7 +1,8 @@
 """The ``sparkrun coldsnap`` command group (also installed as ``sparkrun-coldsnap``).
 
 Errors are caught in one place, here: one line on stderr, a non-zero exit,
-and a traceback only with ``--debug`` (or ``COLDSNAP_DEBUG=1``).
+and a traceback only with ``--debug`` (or ``COLDSNAP_DEBUG=1``); the traceback of an
+unexpected error is kept in a log file the message names.
 """
 
 from __future__ import annotations
@@ -9,41 +10,61 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
+import traceback
+from pathlib import Path
 
 import click
 
+from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.errors import ColdsnapError
 
 
 class _Group(click.Group):
     def invoke(self, ctx: click.Context):
-        debug = bool(os.environ.get("COLDSNAP_DEBUG")) or (ctx.params or {}).get("debug")
+        # The entry: the settings are read here, once, and carried from here on.
+        settings = settings_mod.install(settings_mod.Settings.from_environ())
+        if (ctx.params or {}).get("debug") and not settings.debug:
+            settings = settings_mod.install(settings.replace(debug=True))
         try:
             return super().invoke(ctx)
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
             raise
         except ColdsnapError as err:
-            if debug:
+            if settings.debug:
                 raise
             click.echo("Error: %s" % err.message, err=True)
             ctx.exit(err.exit_code)
         except KeyboardInterrupt:
             click.echo("Interrupted.", err=True)
             ctx.exit(130)
-        except Exception as err:  # noqa: BLE001 - sparkrun's own errors, one line too
-            if debug:
+        except Exception as err:  # noqa: BLE001 - sparkrun's own errors and our bugs, one line too
+            if settings.debug:
                 raise
             text = str(err).strip().splitlines()
-            click.echo("Error: %s" % (text[0] if text else type(err).__name__), err=True)
+            where = write_traceback(err)
+            click.echo("Error: %s%s" % (text[0] if text else type(err).__name__, " (traceback: %s)" % where if where else ""), err=True)
             ctx.exit(1)
+
+
+def write_traceback(err: BaseException) -> Path | None:
+    """Keep an unexpected error's traceback in a log file the one-line message names."""
+    from sparkrun_coldsnap.host import paths
+
+    try:
+        path = paths.run_dir() / "logs" / ("error-%s-%d.log" % (time.strftime("%Y%m%dT%H%M%S"), os.getpid()))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(traceback.format_exception(err)))
+        return path
+    except OSError:
+        return None
 
 
 @click.group("coldsnap", cls=_Group)
 @click.option("--debug", is_flag=True, help="Show tracebacks and debug logs.")
 def coldsnap_group(debug: bool) -> None:
     """Capture an initialized inference workload once; restore it in seconds."""
-    if debug or os.environ.get("COLDSNAP_DEBUG"):
-        os.environ["COLDSNAP_DEBUG"] = "1"
+    if settings_mod.current().debug:
         logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -24,18 +23,20 @@ def bench(recipe, hosts, cluster, options, offline, store, samples, out_dir, kee
 
     Captures the recipe first if its capsule does not exist yet.
     """
-    from sparkrun_coldsnap import bench as bench_mod, controller, sparkrun_bridge
+    from sparkrun_coldsnap import bench as bench_mod
+    from sparkrun_coldsnap import controller
+    from sparkrun_coldsnap.integration import placement, planning
     from sparkrun_coldsnap.progress import Progress
 
     doc = check_recipe_file(recipe)
     capsule_store = open_store(store, doc)
     progress = Progress(quiet=as_json)
-    actx = sparkrun_bridge.plan_activation(recipe, hosts=host_tuple(hosts), cluster=cluster, overrides=parse_overrides(options), offline=offline)
-    req = sparkrun_bridge.restore_request(actx)
+    actx = planning.plan_activation(recipe, hosts=host_tuple(hosts), cluster=cluster, overrides=parse_overrides(options), offline=offline)
+    req = placement.restore_request(actx)
     if not bench_mod.ensure_capsule(capsule_store, req.capsule.ref):
         progress.step("no capsule %s yet: capturing it first" % req.capsule.ref)
-        controller.capture(sparkrun_bridge.capture_request(actx), store=capsule_store, base_env=dict(os.environ), progress=progress)
-    result = bench_mod.run(req, store=capsule_store, samples=samples, base_env=dict(os.environ), progress=progress, drop_cache=not keep_page_cache)
+        controller.capture(placement.capture_request(actx), store=capsule_store, progress=progress)
+    result = bench_mod.run(req, store=capsule_store, samples=samples, progress=progress, drop_cache=not keep_page_cache)
     target = out_dir or Path("bench-out") / time.strftime("%Y%m%dT%H%M%S")
     json_path, png = bench_mod.write(result, target)
     if as_json:

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import click
 
 from sparkrun_coldsnap.cli.common import check_recipe_file, emit_json, host_tuple, open_store, parse_overrides, store_option, target_options
 from sparkrun_coldsnap.digests import short
+from sparkrun_coldsnap.documents.receipts import save_failure_receipt, save_receipt
 from sparkrun_coldsnap.errors import ColdsnapError
 from sparkrun_coldsnap.progress import Progress
-from sparkrun_coldsnap.receipts import receipt_path, write_receipt
 
 
 @click.command("capture")
@@ -23,27 +22,24 @@ from sparkrun_coldsnap.receipts import receipt_path, write_receipt
 @click.option("--json", "as_json", is_flag=True, help="Print the receipt as JSON.")
 def capture(recipe, hosts, cluster, options, offline, store, tag, receipt_file, as_json):
     """Launch RECIPE's engine, validate it with a real request and capture it into a capsule."""
-    from sparkrun_coldsnap import controller, sparkrun_bridge
+    from sparkrun_coldsnap import controller
+    from sparkrun_coldsnap.integration import placement, planning
 
     doc = check_recipe_file(recipe)
     capsule_store = open_store(store, doc)
-    actx = sparkrun_bridge.plan_activation(recipe, hosts=host_tuple(hosts), cluster=cluster, overrides=parse_overrides(options), offline=offline)
-    req = sparkrun_bridge.capture_request(actx)
+    actx = planning.plan_activation(recipe, hosts=host_tuple(hosts), cluster=cluster, overrides=parse_overrides(options), offline=offline)
+    req = placement.capture_request(actx)
     if tag:
         req = req.model_copy(update={"capsule": req.capsule.model_copy(update={"tag": tag})})
     progress = Progress(quiet=as_json)
     try:
-        out = controller.capture(req, store=capsule_store, base_env=dict(os.environ), progress=progress)
+        out = controller.capture(req, store=capsule_store, progress=progress)
     except ColdsnapError as err:
-        rec = getattr(err, "receipt", None)
-        if rec is not None:
-            try:
-                path = write_receipt(rec, receipt_path(receipt_file, capsule_store.receipts, req.capsule.name, rec))
-                err.args = ("%s (receipt: %s)" % (err, path),)
-            except ColdsnapError:
-                pass
+        failed = save_failure_receipt(err, receipt_file, capsule_store.receipts, req.capsule.name)
+        if failed is not None:
+            err.args = ("%s (receipt: %s)" % (err, failed),)
         raise
-    path = write_receipt(out.receipt, receipt_path(receipt_file, capsule_store.receipts, req.capsule.name, out.receipt))
+    path = save_receipt(out.receipt, receipt_file, capsule_store.receipts, req.capsule.name)
     if as_json:
         emit_json(out.receipt.model_dump(mode="json"))
         return

@@ -9,10 +9,9 @@ from typing import Any
 import click
 import yaml
 
-from sparkrun_coldsnap import paths
-from sparkrun_coldsnap.capsule.store import CapsuleStore
+from sparkrun_coldsnap.capsule.store import CapsuleStore, choose_store
+from sparkrun_coldsnap.documents.recipe_block import parse_block
 from sparkrun_coldsnap.errors import RequestError
-from sparkrun_coldsnap.recipe_block import parse_block
 
 
 def target_options(f):
@@ -71,13 +70,10 @@ def check_recipe_file(recipe: str, *, need_block: bool = True) -> dict[str, Any]
 
 
 def open_store(store: Path | None, recipe_doc: dict[str, Any] | None = None) -> CapsuleStore:
-    if store is not None:
-        return CapsuleStore(store)
+    configured = None
     if recipe_doc and isinstance(recipe_doc.get("coldsnap"), dict):
         configured = (recipe_doc["coldsnap"].get("capsule") or {}).get("store")
-        if configured:
-            return CapsuleStore(Path(configured).expanduser())
-    return CapsuleStore(paths.default_store())
+    return choose_store(store, configured)
 
 
 def emit_json(doc: Any) -> None:

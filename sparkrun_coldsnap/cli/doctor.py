@@ -13,7 +13,8 @@ MARK = {"ok": "ok  ", "warn": "warn", "fail": "FAIL"}
 @click.option("--json", "as_json", is_flag=True)
 def doctor(as_json):
     """Check sparkrun, the plugin's state, CRIU, GPU driver features and engines; say how to fix each gap."""
-    from sparkrun_coldsnap.doctor import as_json as to_json, run_checks
+    from sparkrun_coldsnap.doctor import as_json as to_json
+    from sparkrun_coldsnap.doctor import run_checks
 
     checks = run_checks()
     if as_json:

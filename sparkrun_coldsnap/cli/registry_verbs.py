@@ -24,10 +24,10 @@ def client_for(ref, plain_http: bool, ca_file: str | None):
 
 
 def model_dir_of(cap) -> Path:
-    from sparkrun_coldsnap import paths
+    from sparkrun_coldsnap.host import paths
 
     w = cap.config.weights
-    return paths.hf_home() / "hub" / ("models--" + w.model_id.replace("/", "--")) / "snapshots" / w.revision
+    return paths.hf_snapshot_dir(w.model_id, w.revision)
 
 
 @click.command("publish")
@@ -77,17 +77,17 @@ def publish(capsule, repository, store, plain_http, ca_file, chunk_size, with_we
 def pull(reference, store, plain_http, ca_file, chunk_size, local_ref, with_weights, with_native, as_json):
     """Pull a capsule from an OCI registry into the local store (REGISTRY/REPO[:TAG|@DIGEST])."""
     from sparkrun_coldsnap.capsule.reference import parse
-    from sparkrun_coldsnap.capsule.transfer import pull as do_pull, pull_native, pull_weights
+    from sparkrun_coldsnap.capsule.transfer import pull_with_companions
     from sparkrun_coldsnap.progress import Progress
 
     s = open_store(store)
     ref = parse(reference)
-    client = client_for(ref, plain_http, ca_file)
-    progress = Progress(quiet=as_json)
-    result = do_pull(client, ref, s, local_ref=local_ref, progress=progress)
+    got = pull_with_companions(
+        client_for(ref, plain_http, ca_file), ref, s, local_ref=local_ref, model_dir_of=model_dir_of,
+        want_weights=lambda cap: with_weights, want_native=lambda cap: with_native, progress=Progress(quiet=as_json),
+    )  # fmt: skip
+    result, fetched, native = got.result, got.weight_files, got.native_files
     cap = result.capsule
-    fetched = pull_weights(client, cap, model_dir_of(cap), progress=progress) if with_weights else 0
-    native = pull_native(client, cap, progress=progress) if with_native else 0
     if as_json:
         emit_json(
             {
@@ -100,7 +100,7 @@ def pull(reference, store, plain_http, ca_file, chunk_size, local_ref, with_weig
     if with_weights:
         click.echo("  %d model file(s) fetched into %s" % (fetched, model_dir_of(cap)))
     if with_native:
-        from sparkrun_coldsnap import native_payload
+        from sparkrun_coldsnap.weights import native_payload
 
         click.echo("  native weight payload: %d file(s) fetched into %s" % (native, native_payload.directory(cap.config.weights.native)))
 

@@ -22,10 +22,10 @@ def restore(recipe, hosts, cluster, options, offline, store, receipt_file, dry_r
     Like `sparkrun run RECIPE` for a recipe with a coldsnap: block, except that
     a missing capsule is an error instead of a vanilla start.
     """
-    from sparkrun_coldsnap import sparkrun_bridge
+    from sparkrun_coldsnap.integration import planning
 
     check_recipe_file(recipe)
-    rc = sparkrun_bridge.run_recipe(
+    rc = planning.run_recipe(
         recipe,
         hosts=host_tuple(hosts),
         cluster=cluster,

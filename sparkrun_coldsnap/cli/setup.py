@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from sparkrun_coldsnap import paths
-from sparkrun_coldsnap.proc import run
+from sparkrun_coldsnap.host import paths
+from sparkrun_coldsnap.host.runner import run
 
 
 def _step(text: str) -> None:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import click
 
-from sparkrun_coldsnap import native_payload
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
 from sparkrun_coldsnap.cli.common import emit_json, open_store, store_option
 from sparkrun_coldsnap.digests import short
 from sparkrun_coldsnap.errors import ColdsnapError
 from sparkrun_coldsnap.progress import Progress
+from sparkrun_coldsnap.weights import native_payload
 
 
 def _summary(cap: capsule_mod.Capsule) -> dict:

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import Field
 
-from sparkrun_coldsnap.hostinfo import HostFacts
-from sparkrun_coldsnap.strict import Strict
+from sparkrun_coldsnap.host.facts import HostFacts
+
+if TYPE_CHECKING:
+    from sparkrun_coldsnap.documents.settings import Settings
+    from sparkrun_coldsnap.engines.base import EngineAdapter
+    from sparkrun_coldsnap.launch.base import RunningUnit
+from sparkrun_coldsnap.documents.strict import Strict
 
 Progress = Callable[[str], None]
 
@@ -66,23 +72,39 @@ class SnapshotDriver(ABC):
     weights_in_image: ClassVar[bool] = False
     #: the engine must release device memory before capture.
     needs_release: ClassVar[bool] = False
-    #: "serving": capture the validated, serving engine; "template": capture it
-    #: before it touches the accelerator, and let it go on (``resume``) after.
+    #: "serving": capture the validated, serving engine; "template": capture it at a
+    #: boundary before it touches the accelerator (``await_boundary``), and let it go on
+    #: (``after_checkpoint``) to serve once.
     boundary: ClassVar[str] = "serving"
+    #: after a restore the engine loads its weights itself (a template); otherwise they
+    #: are in the images or hydrated by the engine adapter.
+    engine_loads_weights: ClassVar[bool] = False
 
-    def resume(self, root_pid: int) -> None:
-        """Let a template go on past its boundary (template drivers only)."""
-        from sparkrun_coldsnap.errors import CaptureError
+    @property
+    def checkpoints_serving(self) -> bool:
+        """The engine is validated and quiesced before the checkpoint (not a template)."""
+        return self.boundary == "serving"
 
-        raise CaptureError("driver %s captures serving engines; it has no boundary to resume from" % self.name)
+    def launch_command(self, command: str, adapter: EngineAdapter, settings: Settings) -> str:
+        """The engine command to start for capture (a template driver places its boundary here)."""
+        return command
+
+    def await_boundary(self, unit: RunningUnit, log_path: Path, timeout: float) -> None:
+        """Wait until a freshly launched engine reaches the point this driver captures at.
+
+        Serving drivers capture after validation, which the controller drives: they return at once.
+        """
+
+    def after_checkpoint(self, root_pid: int) -> None:
+        """Let the captured tree go on after a checkpoint that left it running (templates)."""
+
+    def checkpoint_tool_version(self) -> str | None:
+        """The version of the checkpoint tool a capsule's images depend on (recorded, compared)."""
+        return None
 
     @abstractmethod
     def support(self, host: HostFacts) -> Support:
         """Can this driver capture and restore on *host*?"""
-
-    def launch_env(self, env: dict[str, str]) -> dict[str, str]:
-        """Environment additions the engine needs to be capturable by this driver."""
-        return env
 
     @abstractmethod
     def precheck(self, root_pid: int) -> list[str]:
@@ -103,7 +125,7 @@ class SnapshotDriver(ABC):
         return None
 
     @abstractmethod
-    def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None, warm: Any = None) -> "RestoredUnit":
+    def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None, warm: Any = None) -> RestoredUnit:
         """Restore *unit* from *images*.
 
         *owned_dir* is the staging directory holding *images*; a driver that

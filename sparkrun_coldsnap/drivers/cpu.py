@@ -19,15 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from sparkrun_coldsnap.drivers import criu_tree, tree_inspect
-from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, SnapshotDriver, Support, UnitImage
+from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, Support, UnitImage
+from sparkrun_coldsnap.drivers.criu_driver import CriuDriver
 from sparkrun_coldsnap.drivers.criu_tool import Criu
 from sparkrun_coldsnap.errors import ToolError
 from sparkrun_coldsnap.hookspecs import hookimpl
-from sparkrun_coldsnap.hostinfo import HostFacts
-from sparkrun_coldsnap.launch.local import tree_pids
+from sparkrun_coldsnap.host.facts import HostFacts
+from sparkrun_coldsnap.host.process_tree import tree_pids
 
 
-class CpuDriver(SnapshotDriver):
+class CpuDriver(CriuDriver):
     name = "cpu"
     preference = 90  # after the GPU drivers: a GPU host should not pick it by default
     summary = "CRIU process-tree capture for CPU engines; weights inside the process images"
@@ -65,8 +66,8 @@ class CpuDriver(SnapshotDriver):
 
 
     def checkpoint_container(self, unit: Any, images: Path, *, unit_name: str, host: str, spec: Any, progress: Progress) -> UnitImage:
+        from sparkrun_coldsnap.documents.request import redact_env
         from sparkrun_coldsnap.launch import docker as docker_unit
-        from sparkrun_coldsnap.request import redact_env
 
         root = unit.root_pid
         pids = tuple(tree_pids(root))

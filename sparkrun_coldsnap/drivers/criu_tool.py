@@ -10,17 +10,17 @@ than the host's.
 
 from __future__ import annotations
 
-import os
 import platform
 import re
 import shutil
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
 
-from sparkrun_coldsnap import paths
+from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.errors import ToolError
-from sparkrun_coldsnap.proc import Completed, run
+from sparkrun_coldsnap.host import paths
+from sparkrun_coldsnap.host.runner import Completed, run
 
 MIN_VERSION = (4, 2)
 _VERSION_RE = re.compile(r"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?")
@@ -79,9 +79,9 @@ def _probe(source: str, argv: tuple[str, ...]) -> CriuCandidate:
 def candidates() -> list[CriuCandidate]:
     """Every CRIU this host offers, system first, each with why it can't be used."""
     out = []
-    env = os.environ.get("COLDSNAP_CRIU")
-    if env:
-        out.append(_probe("COLDSNAP_CRIU", tuple(env.split())))
+    override = settings.current().criu
+    if override:
+        out.append(_probe("COLDSNAP_CRIU", override))
     system = shutil.which("criu")
     if system:
         out.append(_probe("system", (system,)))
@@ -101,7 +101,7 @@ class Criu:
         self.source = candidate.source
 
     @classmethod
-    def locate(cls) -> "Criu":
+    def locate(cls) -> Criu:
         found = candidates()
         for c in found:
             if c.usable:

@@ -29,14 +29,15 @@ from pathlib import Path
 
 import psutil
 
-from sparkrun_coldsnap import paths
+from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.drivers import tree_inspect
 from sparkrun_coldsnap.drivers.base import Progress, SharedFile, UnitImage
 from sparkrun_coldsnap.drivers.criu_tool import Criu, log_tail
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
-from sparkrun_coldsnap.proc import run
-from sparkrun_coldsnap.launch.local import kill_tree, tree_pids
-from sparkrun_coldsnap.sparse import copy_sparse
+from sparkrun_coldsnap.host import paths
+from sparkrun_coldsnap.host.process_tree import fd_targets, kill_tree, shared_memory_files, tree_pids, users_of
+from sparkrun_coldsnap.host.runner import run
+from sparkrun_coldsnap.host.sparse import copy_sparse
 
 BASE_FLAGS = ("--ext-unix-sk", "--file-locks", "--link-remap", "--ghost-limit", "256M")
 # Every established connection is between processes of the frozen tree
@@ -51,7 +52,7 @@ RESTORE_LOG = "restore.log"
 
 def _output_resource(root_pid: int) -> str | None:
     """The regular file the root writes its stdout to, in CRIU's spelling (no leading '/')."""
-    for fd, target in tree_inspect.fd_targets(root_pid):
+    for fd, target in fd_targets(root_pid):
         if fd == 1 and target.startswith("/") and os.path.isfile(target):
             return target.lstrip("/")
     return None
@@ -62,7 +63,7 @@ def _remap_dirs(paths: list[str]) -> set[Path]:
 
 
 def _listing(dirs: set[Path]) -> set[Path]:
-    out = set()
+    out: set[Path] = set()
     for d in dirs:
         try:
             out.update(d / n for n in os.listdir(d) if n.startswith("link_remap."))
@@ -77,7 +78,7 @@ def dump(
     """Dump the tree at *root_pid* into *images*; on success the tree is gone unless *leave_running*."""
     images.mkdir(parents=True, exist_ok=True)
     pids = tuple(tree_pids(root_pid))
-    shared = tree_inspect.shared_memory_files(root_pid)
+    shared = shared_memory_files(root_pid)
     tcp = tree_inspect.established_inside(root_pid)
     resource = _output_resource(root_pid)
     dirs = _remap_dirs(shared)
@@ -127,21 +128,6 @@ def _save_shared(images: Path, files: list[Path], *, owner_gone: bool) -> list[S
     return out
 
 
-def users_of(paths: set[str]) -> dict[str, list[str]]:
-    """Which live processes have any of *paths* open or mapped."""
-    found: dict[str, list[str]] = {}
-    if not paths:
-        return found
-    for p in psutil.process_iter(["pid", "name"]):
-        try:
-            held = {t for _, t in tree_inspect.fd_targets(p.pid)} | tree_inspect.mapped_paths(p.pid)
-        except psutil.Error:
-            continue
-        for path in paths & held:
-            found.setdefault(path, []).append("%d (%s)" % (p.pid, p.info["name"]))
-    return found
-
-
 def pid_problems(pids: tuple[int, ...], *, zombie_wait: float = 5.0) -> list[str]:
     """Captured host PIDs that some process (even a zombie) holds now.
 
@@ -188,7 +174,7 @@ def _place_shared(unit: UnitImage, images: Path) -> list[Path]:
 
 def lazy_pages_supported(criu: Criu) -> bool:
     """Can this kernel and CRIU restore memory on demand (userfaultfd)?"""
-    if os.environ.get("COLDSNAP_LAZY_PAGES", "1") == "0":
+    if not settings.current().lazy_pages:
         return False
     return _uffd(criu.argv)
 
@@ -209,7 +195,7 @@ def _start_lazy_daemon(criu: Criu, images: Path, owned_dir: Path | None) -> subp
     log_path = paths.run_dir() / "logs" / ("lazy-pages-%d.log" % os.getpid())
     log_path.parent.mkdir(parents=True, exist_ok=True)
     script = '"$@"; rc=$?; [ -n "$COLDSNAP_REMOVE" ] && rm -rf -- "$COLDSNAP_REMOVE"; exit $rc'
-    env = {**os.environ, "COLDSNAP_REMOVE": str(owned_dir) if owned_dir else ""}
+    env = settings.current().child_env(COLDSNAP_REMOVE=str(owned_dir) if owned_dir else "")
     daemon = subprocess.Popen(
         ["sh", "-c", script, "lazy-pages", *criu.argv, "lazy-pages", "-D", str(images), "-o", str(log_path)],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True,

@@ -16,11 +16,13 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import psutil
 
+from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.errors import CaptureError, RestoreError, ToolError
 
 HELPER = Path(__file__).with_name("cuda_helper.py")
@@ -52,7 +54,7 @@ class HelperProcess:
         python = python or helper_python()
         # It must see every GPU, whatever the plugin was started with: the driver checks the
         # captured UUIDs against the caller's, and a restore may move the workload.
-        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+        env = {k: v for k, v in settings.current().environ.items() if k != "CUDA_VISIBLE_DEVICES"}
         try:
             self.proc = subprocess.Popen(
                 [python, str(HELPER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env
@@ -74,7 +76,7 @@ class HelperProcess:
         self.proc.stdin.flush()
 
     def _call(self, msg: dict) -> dict:
-        self.driver_version  # the init reply comes first
+        _ = self.driver_version  # the init reply comes first
         self._send(msg)
         return self._receive()
 
@@ -126,7 +128,7 @@ class HelperProcess:
 
 def helper_python() -> str:
     """The interpreter for the helper: COLDSNAP_CUDA_PYTHON, else this one."""
-    return os.environ.get("COLDSNAP_CUDA_PYTHON") or sys.executable
+    return settings.current().cuda_python or sys.executable
 
 
 def cuda_processes(pids: Sequence[int]) -> list[int]:
@@ -225,7 +227,7 @@ def visible_uuids(spec: str | None, uuids: Sequence[str]) -> list[str]:
                 break
             out.append(uuids[int(item)])
             continue
-        named = [u for u in uuids if item and (u.startswith(item) or u.startswith("GPU-" + item))]
+        named = [u for u in uuids if item and (u.startswith((item, "GPU-" + item)))]
         if len(named) != 1:
             break
         out.append(named[0])
@@ -252,7 +254,7 @@ def gpu_pairs(used: Sequence[str], captured_all: Sequence[str], here_all: Sequen
     if len(targets) < len(used):
         raise RestoreError(
             "the capsule's workload used %d GPUs but only %d are visible here (CUDA_VISIBLE_DEVICES=%s): make as many visible"
-            % (len(used), len(targets), os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
+            % (len(used), len(targets), settings.current().cuda_visible_devices or "unset")
         )
     if len(here_all) < len(captured_all):
         raise RestoreError("the capsule was captured on a host with %d GPUs and this one has %d: restore it on a host with as many" % (len(captured_all), len(here_all)))

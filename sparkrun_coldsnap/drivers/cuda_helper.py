@@ -32,7 +32,7 @@ def _driver():
     try:
         from cuda.bindings import driver
     except ImportError:  # older cuda-python layout
-        from cuda import cuda as driver  # type: ignore[no-redef]
+        from cuda import cuda as driver
     return driver
 
 

@@ -14,15 +14,21 @@ import shlex
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparkrun_coldsnap.drivers import criu_tree, tree_inspect
-from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, SnapshotDriver, Support, UnitImage
+from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, Support, UnitImage
+from sparkrun_coldsnap.drivers.criu_driver import CriuDriver
 from sparkrun_coldsnap.drivers.criu_tool import Criu
 from sparkrun_coldsnap.drivers.nvidia import driver_major
 from sparkrun_coldsnap.errors import CaptureError, EngineError, RequestError, ToolError
 from sparkrun_coldsnap.hookspecs import hookimpl
-from sparkrun_coldsnap.hostinfo import HostFacts
+from sparkrun_coldsnap.host.facts import HostFacts
+
+if TYPE_CHECKING:
+    from sparkrun_coldsnap.documents.settings import Settings
+    from sparkrun_coldsnap.engines.base import EngineAdapter
+    from sparkrun_coldsnap.launch.base import RunningUnit
 
 LAUNCHER = Path(__file__).with_name("template_launcher.py")
 READY = "coldsnap-template: ready"
@@ -56,12 +62,19 @@ def wait_for_boundary(log_path: Path, alive, timeout: float) -> float:
     raise EngineError("the engine did not reach the pre-CUDA boundary within %.0f s; see %s" % (timeout, log_path))
 
 
-class N580Driver(SnapshotDriver):
+class N580Driver(CriuDriver):
     name = "n580"
     preference = 20
     summary = "pre-CUDA process template: captured after imports, initializes CUDA and loads weights after restore"
     weights_in_image = False
     boundary = "template"
+    engine_loads_weights = True
+
+    def launch_command(self, command: str, adapter: EngineAdapter, settings: Settings) -> str:
+        return template_command(command, module_for_script=adapter.console_scripts, preload=settings.template_preload or adapter.template_preload)
+
+    def await_boundary(self, unit: RunningUnit, log_path: Path, timeout: float) -> None:
+        wait_for_boundary(log_path, unit.alive, timeout)
 
     def support(self, host: HostFacts) -> Support:
         if not host.gpu.gpus:
@@ -84,7 +97,7 @@ class N580Driver(SnapshotDriver):
         # to serve once, to record the reply restores are validated against.
         return criu_tree.dump(Criu.locate(), root_pid, images, unit=unit, host=host, driver=self.name, progress=progress, leave_running=True)
 
-    def resume(self, root_pid: int) -> None:
+    def after_checkpoint(self, root_pid: int) -> None:
         try:
             os.kill(root_pid, signal.SIGUSR1)
         except ProcessLookupError as err:
@@ -95,7 +108,7 @@ class N580Driver(SnapshotDriver):
 
     def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None, warm: Any = None) -> RestoredUnit:
         pid, handed = criu_tree.restore(Criu.locate(), unit, images, log_path=log_path, progress=progress, lazy=False)
-        self.resume(pid)
+        self.after_checkpoint(pid)
         return RestoredUnit(pid, handed)
 
 

@@ -13,27 +13,28 @@ holding one.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.drivers import criu_tree, cuda_checkpoint, nvidia, tree_inspect
-from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, SnapshotDriver, Support, UnitImage
+from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, Support, UnitImage
+from sparkrun_coldsnap.drivers.criu_driver import CriuDriver
 from sparkrun_coldsnap.drivers.criu_tool import Criu
 from sparkrun_coldsnap.errors import CaptureError, ToolError
 from sparkrun_coldsnap.hookspecs import hookimpl
-from sparkrun_coldsnap.hostinfo import HostFacts
-from sparkrun_coldsnap.launch.local import kill_tree, tree_pids
+from sparkrun_coldsnap.host.facts import HostFacts
+from sparkrun_coldsnap.host.process_tree import kill_tree, tree_pids
 
 
 def _lazy_wanted() -> bool:
     """Memory on demand is opt-in for n610 (it was slower on the GPU machine)."""
-    return os.environ.get("COLDSNAP_N610_LAZY_PAGES") == "1"
+    return settings.current().n610_lazy_pages
 
 
-class N610Driver(SnapshotDriver):
+class N610Driver(CriuDriver):
     name = "n610"
     preference = 10
     summary = "initialized CUDA process: CUDA checkpoint API + CRIU, weights released before capture and hydrated after restore"
@@ -113,7 +114,7 @@ class N610Driver(SnapshotDriver):
                     used,
                     unit.driver_data.get("host_gpu_uuids", used),
                     here,
-                    cuda_checkpoint.visible_uuids(os.environ.get("CUDA_VISIBLE_DEVICES"), here),
+                    cuda_checkpoint.visible_uuids(settings.current().cuda_visible_devices, here),
                 )
                 progress("CUDA restore of %d processes%s" % (len(unit.driver_data.get("cuda_pids", ())), " onto other GPUs" if pairs else ""))
                 cuda_checkpoint.restore_all(api, unit.driver_data.get("cuda_pids", ()), pairs)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import platform
-from typing import Iterable
+from collections.abc import Iterable
 
-from sparkrun_coldsnap.hostinfo import HostFacts
 from sparkrun_coldsnap.errors import ToolError
-from sparkrun_coldsnap.proc import run
+from sparkrun_coldsnap.host.facts import HostFacts
+from sparkrun_coldsnap.host.runner import run
 
 # The process checkpoint API by platform (NVIDIA's release notes, and what was
 # measured: CUDA_ERROR_NOT_SUPPORTED on GB10 with 580; x86_64 580 worked).
@@ -53,10 +53,10 @@ def checkpoint_api_problem(host: HostFacts) -> str | None:
 
 def gpus_of(pids: Iterable[int]) -> list[str]:
     """The GPUs (UUIDs) on which the processes *pids* hold memory, as the driver reports it."""
-    pids = {str(p) for p in pids}
+    wanted = {str(p) for p in pids}
     try:
         out = run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"], timeout=30, check=False).stdout
     except ToolError:  # no nvidia-smi, or no answer: nothing reported
         return []
     fields = [[f.strip() for f in line.split(",")] for line in out.splitlines()]
-    return sorted({f[1] for f in fields if len(f) == 2 and f[0] in pids})
+    return sorted({f[1] for f in fields if len(f) == 2 and f[0] in wanted})

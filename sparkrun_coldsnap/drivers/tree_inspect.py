@@ -13,14 +13,14 @@ import stat
 import struct
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import psutil
+
+from sparkrun_coldsnap.host.process_tree import SHARED_MEMORY_DIRS, fd_targets, mapped_paths, tree
 
 # Character devices any process may hold that CRIU restores by path.
 # "/dev/zero (deleted)" is how shared anonymous memory shows among mappings; CRIU saves it.
 HARMLESS_DEVICES = {"/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/ptmx", "/dev/zero (deleted)"}
-SHARED_MEMORY_DIRS = ("/dev/shm/",)
 
 _TCP_STATES = {"01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "04": "FIN_WAIT1", "05": "FIN_WAIT2", "06": "TIME_WAIT",
                "07": "CLOSE", "08": "CLOSE_WAIT", "09": "LAST_ACK", "0A": "LISTEN", "0B": "CLOSING"}  # fmt: skip
@@ -34,44 +34,11 @@ class TcpSocket:
     state: str
 
 
-def tree(root_pid: int) -> list[psutil.Process]:
-    root = psutil.Process(root_pid)
-    return [root] + root.children(recursive=True)
-
-
 def _label(p: psutil.Process) -> str:
     try:
         return "pid %d (%s)" % (p.pid, p.name())
     except psutil.Error:
         return "pid %d" % p.pid
-
-
-def fd_targets(pid: int) -> list[tuple[int, str]]:
-    out = []
-    base = "/proc/%d/fd" % pid
-    try:
-        names = os.listdir(base)
-    except OSError:
-        return out
-    for name in names:
-        try:
-            out.append((int(name), os.readlink(os.path.join(base, name))))
-        except OSError:
-            continue
-    return sorted(out)
-
-
-def mapped_paths(pid: int) -> set[str]:
-    out = set()
-    try:
-        with open("/proc/%d/maps" % pid) as f:
-            for line in f:
-                parts = line.split(None, 5)
-                if len(parts) == 6 and parts[5].startswith("/"):
-                    out.add(parts[5].rstrip("\n"))
-    except OSError:
-        pass
-    return out
 
 
 def _addr(hexaddr: str) -> tuple[str, int]:
@@ -185,12 +152,3 @@ def established_inside(root_pid: int) -> bool:
     return any(s.inode in owned and s.state not in ("LISTEN", "CLOSE") for s in tcp_sockets(root_pid))
 
 
-def shared_memory_files(root_pid: int) -> list[str]:
-    """Files on shared-memory filesystems the tree has open or mapped (not deleted ones)."""
-    out: set[str] = set()
-    for p in tree(root_pid):
-        candidates = {t for _, t in fd_targets(p.pid)} | mapped_paths(p.pid)
-        for path in candidates:
-            if path.startswith(SHARED_MEMORY_DIRS) and not path.endswith(" (deleted)") and Path(path).is_file():
-                out.add(path)
-    return sorted(out)

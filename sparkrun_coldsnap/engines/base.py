@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import shlex
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, ClassVar
 
 from sparkrun_coldsnap.engines.openai_stream import StreamedReply, stream_chat, wait_until_ok
 from sparkrun_coldsnap.errors import EngineError

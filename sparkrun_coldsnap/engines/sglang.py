@@ -17,9 +17,9 @@ answer 200 ``null`` and track released tags (resuming one not released is fatal)
 from __future__ import annotations
 
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
-from sparkrun_coldsnap.engines.base import EngineAdapter, Endpoint, HydrationResult, has_flag, post
+from sparkrun_coldsnap.engines.base import Endpoint, EngineAdapter, HydrationResult, has_flag, post
 from sparkrun_coldsnap.errors import EngineError
 from sparkrun_coldsnap.hookspecs import hookimpl
 

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from sparkrun_coldsnap.engine_side import DIRECTORY as ENGINE_SIDE_DIR
-from sparkrun_coldsnap.engines.base import EngineAdapter, Endpoint, HydrationResult, has_flag, post
+from sparkrun_coldsnap.engines.base import Endpoint, EngineAdapter, HydrationResult, has_flag, post
 from sparkrun_coldsnap.errors import EngineError
 from sparkrun_coldsnap.hookspecs import hookimpl
+from sparkrun_coldsnap.weights.engine_side import DIRECTORY as ENGINE_SIDE_DIR
 
 NATIVE_EXTENSION = "coldsnap_native_weights.NativeWeights"
 

@@ -32,14 +32,14 @@ import os
 import shutil
 import subprocess
 import tarfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
 
 from sparkrun_coldsnap.errors import RestoreError, ToolError
+from sparkrun_coldsnap.host.logfile import last_line
+from sparkrun_coldsnap.host.runner import Completed, run
 from sparkrun_coldsnap.launch import checkpoint_leftovers
-from sparkrun_coldsnap.launch.local import last_line
-from sparkrun_coldsnap.proc import Completed, run
 
 LOG_IN_CONTAINER = "/tmp/sparkrun_serve.log"
 ROOTFS_TAR = "coldsnap-rootfs.tar"
@@ -151,7 +151,7 @@ class ContainerSpec:
         return {"image": self.image, "command": self.command, "env": dict(self.env), "volumes": dict(self.volumes), "shm_size": self.shm_size}
 
     @classmethod
-    def from_json(cls, doc: dict, *, labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None, volumes: Mapping[str, str] | None = None) -> "ContainerSpec":
+    def from_json(cls, doc: dict, *, labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None, volumes: Mapping[str, str] | None = None) -> ContainerSpec:
         return cls(doc["image"], doc["command"], dict(env if env is not None else doc["env"]), dict(volumes if volumes is not None else doc["volumes"]), doc.get("shm_size", "32g"), dict(labels or {}))
 
 
@@ -161,7 +161,7 @@ class ContainerUnit:
 
     name: str
     container_id: str
-    spec: "ContainerSpec | None" = None
+    spec: ContainerSpec | None = None
 
     @property
     def root_pid(self) -> int:
@@ -183,6 +183,9 @@ class ContainerUnit:
 
     def tail(self) -> str:
         return last_line(self.log_path)
+
+    def log_location(self) -> str:
+        return "container %s, %s" % (self.name, LOG_IN_CONTAINER)
 
     def remove(self) -> None:
         docker("rm", "-f", self.container_id, check=False, timeout=120)

@@ -18,10 +18,10 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparkrun_coldsnap import paths
 from sparkrun_coldsnap.digests import canonical_json, sha256_bytes
 from sparkrun_coldsnap.errors import RequestError
-from sparkrun_coldsnap.proc import run
+from sparkrun_coldsnap.host import paths
+from sparkrun_coldsnap.host.runner import run
 
 _FACTS = r"""
 import json, sys, importlib.metadata as m
@@ -54,7 +54,7 @@ class EngineEnv:
     root: Path
 
     @classmethod
-    def named(cls, name: str) -> "EngineEnv":
+    def named(cls, name: str) -> EngineEnv:
         env = cls(name, paths.engine_env_dir(name))
         if not env.python.exists():
             known = sorted(p.name for p in paths.engines_dir().iterdir()) if paths.engines_dir().is_dir() else []

@@ -11,18 +11,16 @@ changed since the dump.
 
 from __future__ import annotations
 
-import os
-import shlex
-import signal
 import subprocess
-import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 import psutil
 
-from sparkrun_coldsnap.errors import EngineError, ToolError
+from sparkrun_coldsnap.errors import ToolError
+from sparkrun_coldsnap.host.logfile import last_line
+from sparkrun_coldsnap.host.process_tree import kill_tree
 
 
 @dataclass
@@ -46,6 +44,9 @@ class StartedUnit:
     def tail(self) -> str:
         """The last non-empty line of the unit's output."""
         return last_line(self.log_path)
+
+    def log_location(self) -> str:
+        return str(self.log_path)
 
     def reap(self, timeout: float = 10.0) -> None:
         if self.launcher is not None:
@@ -81,89 +82,3 @@ def start_unit(command: str, *, env: Mapping[str, str], log_path: Path, cwd: str
     return StartedUnit(launcher.pid, launcher, log_path)
 
 
-def last_line(path: Path, window: int = 4096) -> str:
-    """The last non-empty line of a log file (read from its end), or "" when there is none."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(f.tell() - window, 0))
-            lines = [l for l in f.read().decode(errors="replace").splitlines() if l.strip()]
-    except OSError:
-        return ""
-    return lines[-1] if lines else ""
-
-
-def tree_pids(root_pid: int) -> list[int]:
-    """The root and all its descendants, root first."""
-    try:
-        root = psutil.Process(root_pid)
-        return [root_pid] + [p.pid for p in root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def kill_tree(root_pid: int, *, grace: float = 10.0) -> None:
-    """Stop a unit: SIGTERM to its process group, SIGKILL what remains after *grace*.
-
-    A namespace init ignores signals it has no handler for, so SIGKILL (which
-    always reaches it, and takes the whole namespace with it) is the backstop.
-    """
-    pids = tree_pids(root_pid)
-    if not pids:
-        return
-    shared = _shared_files(root_pid)
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(root_pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        procs = []
-        for pid in pids:
-            try:
-                procs.append(psutil.Process(pid))
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(procs, timeout=wait)
-        alive = [p for p in alive if _not_zombie(p)]
-        if not alive:
-            _remove_orphans(shared)
-            return
-    raise EngineError("processes %s of unit %d survived SIGKILL" % (", ".join(str(p.pid) for p in alive), root_pid))
-
-
-def _not_zombie(p: psutil.Process) -> bool:
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def describe(command: str) -> str:
-    return shlex.split(command)[0] if command.strip() else "(empty command)"
-
-
-def _shared_files(root_pid: int) -> list[str]:
-    from sparkrun_coldsnap.drivers.tree_inspect import shared_memory_files
-
-    try:
-        return shared_memory_files(root_pid)
-    except psutil.Error:
-        return []
-
-
-def _remove_orphans(paths: list[str]) -> None:
-    """Shared-memory files the stopped tree leaked (a killed engine does not clean up)."""
-    from sparkrun_coldsnap.drivers.criu_tree import users_of
-
-    held = users_of(set(paths))
-    for path in paths:
-        if path not in held:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from sparkrun_coldsnap.drivers import criu_tool
 from sparkrun_coldsnap.errors import ToolError
-from sparkrun_coldsnap.proc import run
+from sparkrun_coldsnap.host.runner import run
 
 # criu and what it links, from the development suite (criu, its libcompel)
 # and the testing suite (the rest, a libc new enough for both).

@@ -17,11 +17,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from sparkrun_coldsnap import paths
+from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.drivers import criu_tool
 from sparkrun_coldsnap.errors import ToolError
+from sparkrun_coldsnap.host import paths
+from sparkrun_coldsnap.host.runner import run
 from sparkrun_coldsnap.launch import docker as docker_unit
-from sparkrun_coldsnap.proc import run
 
 IMAGE = "coldsnap/vllm-cpu:0.32.0"
 DAEMON_JSON = Path("/etc/docker/daemon.json")
@@ -33,8 +34,8 @@ def ensure_packages(log) -> None:
     missing = [p for p, exe in (("docker.io", "dockerd"), ("debootstrap", "debootstrap")) if not shutil.which(exe)]
     if missing:
         log("installing %s" % ", ".join(missing))
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        if subprocess.run(["apt-get", "install", "-y", "-q", *missing], env=env, capture_output=True).returncode != 0:
+        env = settings.current().child_env(DEBIAN_FRONTEND="noninteractive")
+        if run(["apt-get", "install", "-y", "-q", *missing], timeout=1200, env=env, check=False).returncode != 0:
             run(["apt-get", "update", "-q"], timeout=600, env=env, what="apt-get update")
             run(["apt-get", "install", "-y", "-q", *missing], timeout=1200, env=env, what="apt-get install")
 
@@ -83,7 +84,7 @@ def start_daemon(log, *, restart: bool) -> None:
         return
     if running:
         log("restarting dockerd for the new settings")
-        subprocess.run(["pkill", "-x", "dockerd"], capture_output=True)
+        run(["pkill", "-x", "dockerd"], timeout=30, check=False)
         for _ in range(100):
             if not daemon_running():
                 break
@@ -130,10 +131,10 @@ def build_image(log, *, engine: str = "vllm-cpu", tag: str = IMAGE, mirror: str 
         shutil.rmtree(rootfs / "var" / "cache" / "apt" / "archives", ignore_errors=True)
         log("docker import as %s" % tag)
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
-        imported = subprocess.run(["docker", "import", "-", tag], stdin=tar.stdout, capture_output=True, text=True)
-        tar.wait()
-        if imported.returncode != 0:
-            raise ToolError("docker import failed: %s" % imported.stderr.strip()[-300:])
+        try:
+            imported = run(["docker", "import", "-", tag], stdin=tar.stdout, timeout=1800, what="docker import")
+        finally:
+            tar.wait()
         return imported.stdout.strip()
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparkrun_coldsnap import paths
+from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.errors import ToolError
-from sparkrun_coldsnap.proc import run
+from sparkrun_coldsnap.host import paths
+from sparkrun_coldsnap.host.runner import run
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,8 @@ TINY_MODEL_SEED = 0
 
 def _runs(exe: str) -> bool:
     try:
-        return subprocess.run([exe, "-c", "import sys"], capture_output=True, timeout=60).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
+        return run([exe, "-c", "import sys"], timeout=60, check=False).returncode == 0
+    except ToolError:  # not found, or no answer
         return False
 
 
@@ -58,7 +58,7 @@ def find_python(version: str) -> str:
     selected one, so every candidate is tried, not just found.
     """
     candidates = [shutil.which("python%s" % version)]
-    pyenv_root = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv")
+    pyenv_root = settings.current().pyenv_root
     candidates += [str(p / "bin" / ("python%s" % version)) for p in sorted((pyenv_root / "versions").glob("%s.*" % version), reverse=True)]
     for exe in candidates:
         if exe and os.path.exists(exe) and _runs(exe):
@@ -70,10 +70,7 @@ def _pip(python: Path, args: list[str], *, log) -> None:
     """pip with its output streamed: installing an engine takes minutes."""
     cmd = [str(python), "-m", "pip", "--disable-pip-version-check", *args]
     log("    $ %s" % " ".join(cmd[1:]))
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if proc.returncode != 0:
-        tail = " | ".join(proc.stdout.strip().splitlines()[-5:])
-        raise ToolError("pip %s failed (exit %d): %s" % (args[0], proc.returncode, tail))
+    run(cmd, timeout=3600, what="pip %s" % args[0])
 
 
 def install_engine(name: str, *, python: str | None = None, log=print) -> Path:

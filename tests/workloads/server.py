@@ -16,7 +16,6 @@ import multiprocessing as mp
 import signal
 import socket
 import sys
-import time
 from multiprocessing import shared_memory
 
 

@@ -1,0 +1,1 @@
+"""Compatibility: the fingerprint a capsule records, and admission before a restore."""

@@ -1,0 +1,109 @@
+"""The compatibility fingerprint recorded at capture, and admission before restore.
+
+Restoring a process image onto a host that differs in what the process
+depends on (CPU instructions it chose kernels for, kernel, CRIU, driver, GPU,
+engine build, model) fails in ways that are slow to diagnose, or worse,
+answers wrongly. Admission compares every recorded fact with the host at hand
+and names every mismatch at once, before anything is stopped or started.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pydantic import Field
+
+from sparkrun_coldsnap.documents.strict import Strict
+from sparkrun_coldsnap.host.facts import GpuInfo
+
+
+class TopologyFacts(Strict):
+    hosts: int
+    units: int
+    tensor_parallel: int
+    pipeline_parallel: int
+
+
+class Fingerprint(Strict):
+    cpu_arch: str
+    cpu_features: tuple[str, ...]
+    kernel_release: str
+    criu_version: str | None
+    nvidia_driver: str | None
+    cuda_version: str | None
+    gpus: tuple[GpuInfo, ...]
+    engine: str
+    engine_version: str | None
+    python_version: str | None
+    torch_version: str | None
+    image_digest: str | None
+    container_runtime: str | None = Field(None, description="Container runtime, its version and the settings a checkpoint depends on.")
+    engine_env_digest: str | None
+    model_revision: str
+    topology: TopologyFacts
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    field: str
+    captured: object
+    here: object
+
+    def __str__(self) -> str:
+        return "%s: captured %s, here %s" % (self.field, _show(self.captured), _show(self.here))
+
+
+def _show(value: object) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, (tuple, list)):
+        return "[%s]" % ", ".join(_show(v) for v in value) if value else "none"
+    if isinstance(value, GpuInfo):
+        return "%s (sm %s)" % (value.name, value.compute_capability)
+    if isinstance(value, TopologyFacts):
+        return "%d host(s), %d unit(s), tp %d, pp %d" % (value.hosts, value.units, value.tensor_parallel, value.pipeline_parallel)
+    return str(value)
+
+
+def _same(field: str) -> Callable[[Fingerprint, Fingerprint], list[Mismatch]]:
+    def check(cap: Fingerprint, here: Fingerprint) -> list[Mismatch]:
+        a, b = getattr(cap, field), getattr(here, field)
+        return [] if a == b else [Mismatch(field, a, b)]
+
+    return check
+
+
+def _features(cap: Fingerprint, here: Fingerprint) -> list[Mismatch]:
+    missing = sorted(set(cap.cpu_features) - set(here.cpu_features))
+    return [Mismatch("cpu_features", "has " + ", ".join(missing), "lacks them")] if missing else []
+
+
+def _gpus(cap: Fingerprint, here: Fingerprint) -> list[Mismatch]:
+    # Compare model and capability per GPU, not identity: restoring onto another
+    # GPU of the same model is supported through device remapping.
+    a = sorted((g.name, g.compute_capability) for g in cap.gpus)
+    b = sorted((g.name, g.compute_capability) for g in here.gpus)
+    out = []
+    if len(a) != len(b):
+        out.append(Mismatch("gpu_count", len(a), len(b)))
+    elif a != b:
+        out.append(Mismatch("gpus", cap.gpus, here.gpus))
+    return out
+
+
+# Fields compared by a rule of their own; every other field of the fingerprint must be equal,
+# so a field added to the model is checked without anyone remembering to.
+SPECIAL_CHECKS: dict[str, Callable[[Fingerprint, Fingerprint], list[Mismatch]]] = {"cpu_features": _features, "gpus": _gpus}
+
+
+def checks() -> tuple[Callable[[Fingerprint, Fingerprint], list[Mismatch]], ...]:
+    return tuple(SPECIAL_CHECKS.get(name) or _same(name) for name in Fingerprint.model_fields)
+
+
+def compare(captured: Fingerprint, here: Fingerprint) -> list[Mismatch]:
+    """Every way *here* differs from *captured* that a restore cannot absorb."""
+    out: list[Mismatch] = []
+    for check in checks():
+        out.extend(check(captured, here))
+    return out

@@ -1,0 +1,197 @@
+"""Capture: launch the engine, bring it to its capture point, checkpoint it, publish a capsule."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparkrun_coldsnap.capsule import capsule as capsule_mod
+from sparkrun_coldsnap.capsule.capsule import Capsule
+from sparkrun_coldsnap.capsule.config import CapsuleConfig, CapturedValidation, EngineRecord, NativePayload, WeightsRecord
+from sparkrun_coldsnap.capsule.pack import pack_unit
+from sparkrun_coldsnap.capsule.store import CapsuleStore
+from sparkrun_coldsnap.controller.common import Attempt, Resolved, finish, resolve, validate, wait_ready
+from sparkrun_coldsnap.documents import settings as settings_mod
+from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder, Validation
+from sparkrun_coldsnap.documents.request import CaptureRequest, LaunchUnit
+from sparkrun_coldsnap.documents.settings import Settings
+from sparkrun_coldsnap.drivers.base import UnitImage
+from sparkrun_coldsnap.engines.base import Endpoint
+from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, ValidationError
+from sparkrun_coldsnap.host import disk_room, paths
+from sparkrun_coldsnap.host.facts import host_facts
+from sparkrun_coldsnap.host.iouring import io_uring_disabled
+from sparkrun_coldsnap.host.ports import port_holder
+from sparkrun_coldsnap.host.process_tree import tree_pids
+from sparkrun_coldsnap.launch.base import RunningUnit
+from sparkrun_coldsnap.progress import QUIET, Progress
+from sparkrun_coldsnap.weights import model_files, native_payload, weight_paths
+
+
+@dataclass
+class CaptureOutcome:
+    receipt: Receipt
+    capsule: Capsule | None = None
+
+
+@dataclass
+class CaptureRun:
+    """Everything one capture carries from step to step."""
+
+    req: CaptureRequest
+    r: Resolved
+    settings: Settings
+    rb: ReceiptBuilder
+    progress: Progress
+    unit_def: LaunchUnit
+    log_path: Path
+    images: Path
+    endpoint: Endpoint
+    unit: RunningUnit
+    t0: float
+    native_wanted: bool
+
+
+def capture(req: CaptureRequest, *, store: CapsuleStore, settings: Settings | None = None, progress: Progress = QUIET) -> CaptureOutcome:
+    """Launch the engine, validate it, capture it into a capsule in *store*."""
+    settings = settings or settings_mod.current()
+    rb = ReceiptBuilder("capture", request_sha256=req.digest())
+    rb.capsule_ref = req.capsule.ref
+    w = req.workload
+    with settings_mod.using(settings), Attempt(rb) as attempt:
+        with rb.phase("admission"):
+            r = resolve(w, settings)
+            support = r.driver.support(host_facts())
+            if not support.ok:
+                raise CaptureError("snapshot driver %s cannot capture on this host: %s" % (r.driver.name, support.reason))
+            holder = port_holder(w.launch.port)
+            if holder:
+                raise CaptureError("port %d is in use by %s: stop that workload (sparkrun stop) or capture on another port" % (w.launch.port, holder))
+            if len(w.topology.units) != 1:
+                raise CaptureError("this capture path handles one launch unit on the local host; the recipe places %d" % len(w.topology.units))
+            r.launcher.check_capturable()
+            store.init()
+        with rb.phase("model_digests"):
+            recorded_files = model_files.record(Path(w.model.path)) if w.model.path else ()
+        native_wanted = weight_paths.writes_native(w, r.driver, r.adapter)
+        command, env = r.adapter.prepare_launch(
+            w.launch.command, r.launcher.engine_env(w, r.engine_env, settings.environ), release_weights=r.driver.needs_release, native_weights=native_wanted
+        )
+        command = r.driver.launch_command(command, r.adapter, settings)
+        log_path = paths.run_dir() / "logs" / ("capture-%s-%d.log" % (req.capsule.name, os.getpid()))
+        log_path.unlink(missing_ok=True)
+        unit_def = w.topology.units[0]
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(io_uring_disabled())
+            staging = stack.enter_context(store.staging_dir("capture-"))
+            progress.step("starting %s for capture (%s, driver %s)" % (w.engine, req.capsule.ref, r.driver.name))
+            with rb.phase("launch"):
+                t0 = time.monotonic()
+                unit = attempt.running = r.launcher.start(w, command, env, log_path=log_path, name="coldsnap-capture-%s" % req.capsule.name)
+            run = CaptureRun(
+                req, r, settings, rb, progress, unit_def, log_path, staging / "units" / unit_def.name,
+                r.adapter.endpoint(w.launch.command, w.model.id, w.launch.port), unit, t0, native_wanted,
+            )  # fmt: skip
+            image, validation, native = _checkpoint_at_capture_point(run)
+            # Past the checkpoint: a serving tree is gone (a container stopped), a template
+            # served once for the reply; either way nothing of it is needed any more.
+            attempt.running = None
+            unit.stop(grace=10.0)
+            unit.reap()
+            with rb.phase("pack"), progress.transfer("packing %.0f MB of process images" % (image.image_bytes / 1e6), image.image_bytes) as tick:
+                layers = pack_unit(run.images, unit_def.name, staging, tick=tick)
+            config = CapsuleConfig(
+                name=req.capsule.name,
+                tag=req.capsule.tag,
+                created=capsule_mod.now_iso(),
+                request_sha256=req.digest(),
+                workload=w.redacted(),
+                fingerprint=r.fingerprint(w, image.criu_version),
+                engine=EngineRecord(name=w.engine, version=r.adapter.version(r.facts.packages) if r.facts else None),
+                driver=r.driver.name,
+                validation=CapturedValidation(
+                    prompt=req.validation.prompt, max_tokens=req.validation.max_tokens, reply=validation.reply or "", request_ttft_seconds=validation.request_ttft_seconds
+                ),
+                weights=WeightsRecord(
+                    location="in-image" if r.driver.weights_in_image else "external", model_id=w.model.id, revision=w.model.revision, files=recorded_files, native=native
+                ),
+                units=(image,),
+            )
+            with rb.phase("publish"):
+                desc = capsule_mod.publish(store, layers, config)
+        rb.capsule = desc.digest
+        rb.details["image_bytes"] = image.image_bytes
+        rb.details["capsule_bytes"] = sum(layer.size for layer in layers)
+        return CaptureOutcome(finish(rb, None), capsule_mod.open_capsule(store, req.capsule.ref))
+
+
+def _checkpoint_at_capture_point(run: CaptureRun) -> tuple[UnitImage, Validation, NativePayload | None]:
+    """The capture story, for any driver.
+
+    A serving driver captures the validated engine after it wrote its native weights and
+    released its device memory. A template driver captures at its boundary before the engine
+    serves, and lets it go on afterwards to serve once, for the reply restores must reproduce.
+    """
+    r, rb, progress = run.r, run.rb, run.progress
+    validation: Validation | None = None
+    native = None
+    if r.driver.checkpoints_serving:
+        validation = _ready_and_validated(run, run.t0)
+        native = _export_native(run) if run.native_wanted else None
+        if r.driver.needs_release:
+            with rb.phase("release_memory"):
+                r.adapter.release_memory(run.endpoint)
+    else:
+        with rb.phase("boundary"), progress.waiting("waiting for the engine to reach the %s driver's boundary" % r.driver.name):
+            r.driver.await_boundary(run.unit, run.log_path, run.req.ready_timeout_seconds)
+    _precheck(run)
+    with rb.phase("checkpoint"), progress.waiting("checkpointing the process tree") as tick:
+        image = r.launcher.checkpoint(r.driver, run.unit, run.images, unit_def=run.unit_def, progress=lambda m: tick(0, m))
+    t_resume = time.monotonic()
+    r.driver.after_checkpoint(run.unit.root_pid)
+    if validation is None:
+        validation = _ready_and_validated(run, t_resume)
+    return image, validation, native
+
+
+def _ready_and_validated(run: CaptureRun, t0: float) -> Validation:
+    r, rb, req = run.r, run.rb, run.req
+    wait_ready(r, run.endpoint, run.unit, rb, run.progress, req.ready_timeout_seconds)
+    with rb.phase("validate"):
+        validation = validate(r, run.endpoint, req, t0, req.validation.expected_reply)
+    rb.validation = validation
+    if not validation.passed:
+        raise ValidationError("the engine replied %r, the recipe expects %r: fix coldsnap.validation.expected_reply" % (validation.reply, validation.expected_reply))
+    run.progress.note("first token %.1f s after launch; reply %r" % (validation.ttft_seconds or 0, validation.reply))
+    rb.details["vanilla_ttft_seconds"] = validation.ttft_seconds
+    return validation
+
+
+def _precheck(run: CaptureRun) -> None:
+    """What the driver cannot capture, and whether the disks have room for what it will write."""
+    with run.rb.phase("precheck"):
+        problems = run.r.driver.precheck(run.unit.root_pid)
+        estimate = disk_room.dump_estimate(tree_pids(run.unit.root_pid))
+        short = disk_room.shortfall(estimate, run.r.launcher.room_needed(run.images))
+    run.rb.details["dump_estimate_bytes"] = estimate
+    if problems:
+        raise CaptureError("cannot capture the workload: %s" % "; ".join(problems))
+    if short:
+        raise CaptureError("%s; free space there, or put the capsule store on a larger disk (coldsnap.capsule.store)" % short)
+
+
+def _export_native(run: CaptureRun) -> NativePayload | None:
+    try:
+        with run.rb.phase("native_export"), run.progress.waiting("writing the native weight payload"):
+            record, reports = native_payload.export(run.r.adapter, run.endpoint)
+    except ColdsnapError as err:
+        if run.req.workload.weights == "native":
+            raise CaptureError("writing the native weight payload failed: %s; capture with weights: auto or recovery" % err) from err
+        run.rb.details["native_export_error"] = str(err)  # auto: restores take the recovery path
+        run.progress.note("no native weight payload (%s): restores will use recovery" % err)
+        return None
+    run.rb.details["native_export"] = list(reports)
+    return record

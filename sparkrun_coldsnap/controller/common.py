@@ -1,0 +1,122 @@
+"""What every operation of the controller shares: the resolved workload, failure receipts,
+readiness and validation of a running engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from sparkrun_coldsnap import extensions
+from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder, Validation
+from sparkrun_coldsnap.documents.request import CaptureRequest, RestoreRequest, Workload
+from sparkrun_coldsnap.documents.settings import Settings
+from sparkrun_coldsnap.drivers.base import SnapshotDriver
+from sparkrun_coldsnap.engines.base import Endpoint, EngineAdapter
+from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, describe_cleanup_failure
+from sparkrun_coldsnap.launch.base import Launcher, RunningUnit
+from sparkrun_coldsnap.launch.engine_env import EngineEnv, EngineFacts, command_facts
+from sparkrun_coldsnap.launch.units import launcher_for
+from sparkrun_coldsnap.progress import Progress
+
+if TYPE_CHECKING:
+    from sparkrun_coldsnap.compat.fingerprint import Fingerprint
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A workload's names resolved on this host: its engine adapter, driver, launcher and engine."""
+
+    adapter: EngineAdapter
+    driver: SnapshotDriver
+    launcher: Launcher
+    engine_env: EngineEnv | None
+    facts: EngineFacts | None
+
+    def fingerprint(self, workload: Workload, tool_version: str | None) -> Fingerprint:
+        from sparkrun_coldsnap.compat.admission import fingerprint
+
+        return fingerprint(workload, self.adapter, self.driver, self.facts, tool_version=tool_version, container_runtime=self.launcher.runtime_summary())
+
+
+def resolve(workload: Workload, settings: Settings) -> Resolved:
+    reg = extensions.registry()
+    adapter = reg.engine(workload.engine)
+    driver = reg.driver(workload.driver)
+    launcher = launcher_for(workload.launch.executor)
+    engine_env = EngineEnv.named(workload.launch.engine_env) if workload.launch.engine_env else None
+    facts: EngineFacts | None
+    if engine_env is not None:
+        facts = engine_env.facts()
+    elif workload.launch.executor == "local":
+        facts = command_facts(workload.launch.command, {"PATH": settings.environ.get("PATH", ""), **workload.launch.env})
+    else:
+        facts = None  # a container: the image digest stands for what is inside
+    return Resolved(adapter, driver, launcher, engine_env, facts)
+
+
+@dataclass
+class ServingOutcome:
+    """A workload that was started or restored, validated and left serving."""
+
+    receipt: Receipt
+    root_pid: int
+    ttft_seconds: float | None
+    unit: RunningUnit
+
+
+def finish(rb: ReceiptBuilder, err: BaseException | None) -> Receipt:
+    if err is None:
+        return rb.finish("succeeded")
+    return rb.finish("refused" if isinstance(err, CompatibilityError) else "failed", err)
+
+
+class Attempt:
+    """One operation's failure handling, in one place.
+
+    On any failure it stops the unit the operation started (``running``), runs the
+    registered cleanups, and gives a :class:`ColdsnapError` its failed (or refused)
+    receipt; the error itself propagates unchanged, a cleanup failure reported beside it.
+    """
+
+    def __init__(self, rb: ReceiptBuilder) -> None:
+        self.rb = rb
+        self.running: RunningUnit | None = None
+        self._cleanups: list[Any] = []
+
+    def on_failure(self, cleanup: Any) -> None:
+        self._cleanups.append(cleanup)
+
+    def __enter__(self) -> Attempt:
+        return self
+
+    def __exit__(self, kind: Any, err: BaseException | None, tb: Any) -> Literal[False]:
+        if err is None:
+            return False
+        if self.running is not None:
+            try:
+                self.running.stop(grace=5.0)
+            except Exception as stop_failed:  # noqa: BLE001 - reported beside the first error
+                err.args = (describe_cleanup_failure(err, stop_failed),)
+        for cleanup in self._cleanups:
+            cleanup()
+        if isinstance(err, ColdsnapError):
+            err.receipt = finish(self.rb, err)
+        return False
+
+
+def validate(r: Resolved, endpoint: Endpoint, req: CaptureRequest | RestoreRequest, t0: float, expected: str | None) -> Validation:
+    """One streamed chat completion; the first token is timed from *t0*."""
+    v = req.validation
+    reply = r.adapter.validate(endpoint, prompt=v.prompt, max_tokens=v.max_tokens, timeout=v.timeout_seconds)
+    ttft = (reply.first_token_at - t0) if reply.first_token_at is not None else None
+    passed = expected is None or reply.text == expected
+    return Validation(passed=passed, ttft_seconds=ttft, request_ttft_seconds=reply.request_ttft, reply=reply.text, expected_reply=expected)
+
+
+def wait_ready(r: Resolved, endpoint: Endpoint, unit: RunningUnit, rb: ReceiptBuilder, progress: Progress, timeout: float) -> None:
+    """Wait for the engine to answer; a failure names where its log is and its last line."""
+    try:
+        with rb.phase("ready"), progress.waiting("waiting for %s to answer on %s" % (r.adapter.name, endpoint.base_url)) as tick:
+            r.adapter.wait_ready(endpoint, alive=unit.alive, timeout=timeout, on_tick=lambda s: tick(s, unit.tail()))
+    except ColdsnapError as err:
+        raise type(err)("%s; engine log: %s (last line: %s)" % (err, unit.log_location(), unit.tail() or "empty")) from err

@@ -1,0 +1,140 @@
+"""Restore in two steps: prepare (admission, staging: all that can fail while the old workload
+still serves), then activate (restore, bring the weights back, validate)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparkrun_coldsnap.capsule import capsule as capsule_mod
+from sparkrun_coldsnap.capsule import media
+from sparkrun_coldsnap.capsule.capsule import Capsule
+from sparkrun_coldsnap.capsule.pack import unpack_layer
+from sparkrun_coldsnap.capsule.store import CapsuleStore
+from sparkrun_coldsnap.compat.admission import admission
+from sparkrun_coldsnap.controller.common import Attempt, Resolved, ServingOutcome, finish, resolve, validate
+from sparkrun_coldsnap.documents import settings as settings_mod
+from sparkrun_coldsnap.documents.receipts import ReceiptBuilder, Weights
+from sparkrun_coldsnap.documents.request import RestoreRequest
+from sparkrun_coldsnap.documents.settings import Settings
+from sparkrun_coldsnap.errors import CompatibilityError, RestoreError, ValidationError
+from sparkrun_coldsnap.host import paths
+from sparkrun_coldsnap.host.ports import port_holder
+from sparkrun_coldsnap.launch.base import StagedUnit
+from sparkrun_coldsnap.progress import QUIET, Progress
+from sparkrun_coldsnap.weights import page_cache, weight_paths
+
+
+def new_restore_staging(store: CapsuleStore, unpacked_bytes: int) -> Path:
+    """Memory-backed staging when there is room for it, else the store's own."""
+    memory = paths.memory_staging(unpacked_bytes)
+    if memory is not None:
+        memory.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix="restore-", dir=memory))
+    return store.new_staging_dir("restore-")
+
+
+@dataclass
+class PreparedRestore:
+    """A capsule admitted and staged, ready to activate (the old workload still runs)."""
+
+    request: RestoreRequest
+    capsule: Capsule
+    resolved: Resolved
+    settings: Settings
+    receipt: ReceiptBuilder
+    staged: StagedUnit
+    prepare_seconds: float = 0.0
+    weights: weight_paths.WeightChoice | None = None
+
+    def discard(self) -> None:
+        """Drop everything preparation made (an activation that never happens, or after one)."""
+        self.staged.discard()
+
+
+def check_admission(cap: Capsule, req: RestoreRequest, r: Resolved) -> tuple[list[str], weight_paths.WeightChoice | None]:
+    """Admission of *cap* for *req* on this host, with this host's fingerprint."""
+    here = r.fingerprint(req.workload, r.driver.checkpoint_tool_version())
+    return admission(cap.config, req, here, r.driver, r.adapter)
+
+
+def prepare_restore(req: RestoreRequest, *, store: CapsuleStore, settings: Settings | None = None, progress: Progress = QUIET) -> PreparedRestore:
+    """Admission and staging: everything that can fail before the old workload is stopped."""
+    settings = settings or settings_mod.current()
+    rb = ReceiptBuilder("restore", request_sha256=req.digest())
+    rb.capsule_ref = req.capsule.ref
+    t = time.monotonic()
+    with settings_mod.using(settings), Attempt(rb) as attempt:
+        with rb.phase("prepare.open"):
+            cap = capsule_mod.open_capsule(store, req.capsule.ref)
+            rb.capsule = cap.digest
+        with rb.phase("prepare.admission"):
+            r = resolve(req.workload, settings)
+            if cap.config.driver != r.driver.name:
+                raise CompatibilityError("capsule %s was captured with driver %s, the recipe asks for %s" % (req.capsule.ref, cap.config.driver, r.driver.name))
+            problems, choice = check_admission(cap, req, r)
+            if problems:
+                raise CompatibilityError("admission refused for capsule %s: %s" % (req.capsule.ref, "; ".join(problems)))
+        total = sum(d.size for d in cap.layers)
+        unpacked = sum(int((d.annotations or {}).get(media.A_UNPACKED_SIZE, d.size)) for d in cap.layers)
+        staging = new_restore_staging(store, unpacked)
+        attempt.on_failure(lambda: shutil.rmtree(staging, ignore_errors=True))
+        with rb.phase("prepare.stage"), progress.transfer("verifying and unpacking capsule %s" % req.capsule.ref, total) as tick:
+            for d in cap.layers:
+                unpack_layer(store, d, staging / "units", tick=tick)
+        image = cap.config.units[0]
+        with rb.phase(r.launcher.stage_phase):
+            staged = r.launcher.stage(r.driver, image, staging / "units" / image.name, staging=staging, request=req)
+        attempt.on_failure(staged.discard)
+        if choice is not None:
+            choice = page_cache.cache_for_restore(cap.config, choice, req.workload.model.path, rb, progress, enabled=settings.weights_cache)
+        return PreparedRestore(req, cap, r, settings, rb, staged, prepare_seconds=time.monotonic() - t, weights=choice)
+
+
+def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Progress = QUIET) -> ServingOutcome:
+    """Restore the staged capsule, bring its weights back, validate: a running, validated workload."""
+    rb, req, cap, r = prepared.receipt, prepared.request, prepared.capsule, prepared.resolved
+    w = req.workload
+    try:
+        with settings_mod.using(prepared.settings), Attempt(rb) as attempt:
+            holder = port_holder(w.launch.port)
+            if holder:
+                raise RestoreError("port %d is in use by %s: stop that workload before restoring" % (w.launch.port, holder))
+            t0 = time.monotonic()
+            with rb.phase("restore"):
+                running = attempt.running = prepared.staged.activate(req.workload_name, log_path=log_path, progress=progress.step)
+                root_pid = running.root_pid
+            endpoint = r.adapter.endpoint(w.launch.command, w.model.id, w.launch.port)
+            if prepared.weights is not None:
+                choice = prepared.weights
+                with rb.phase("hydrate"), progress.waiting("hydrating weights (%s)" % choice.path):
+                    h = r.adapter.hydrate(
+                        endpoint, path=choice.path, model_dir=w.model.path or "", native_dir=str(choice.native_dir) if choice.native_dir else None, cached=choice.cached
+                    )
+                source = weight_paths.source_files(cap.config, choice.path)
+                rb.weights = Weights(path=h.path, seconds=round(h.seconds, 4), files=len(source), bytes=sum(f.size for f in source), note=choice.note)
+                if h.details:
+                    rb.details["hydrate"] = list(h.details)
+            elif r.driver.engine_loads_weights:
+                # Past its boundary the engine initializes the accelerator and loads its weights itself.
+                with rb.phase("engine_init"), progress.waiting("engine initializing after the %s driver's boundary" % r.driver.name):
+                    r.adapter.wait_ready(endpoint, alive=running.alive, timeout=req.ready_timeout_seconds)
+                rb.weights = Weights(path="engine-load")
+            else:
+                rb.weights = Weights(path="in-image")
+            expected = req.validation.expected_reply or cap.config.validation.reply
+            with rb.phase("validate"):
+                validation = validate(r, endpoint, req, t0, expected)
+            rb.validation = validation
+            if not validation.passed:
+                raise ValidationError(
+                    "restored workload replied %r, capsule %s recorded %r: the capsule does not match this host; recapture" % (validation.reply, req.capsule.ref, expected)
+                )
+            rb.details["prepare_seconds"] = round(prepared.prepare_seconds, 4)
+            rb.details["root_pid"] = root_pid
+            return ServingOutcome(finish(rb, None), root_pid, validation.ttft_seconds, running)
+    finally:
+        prepared.discard()

@@ -1,0 +1,1 @@
+"""The documents the plugin reads and writes: requests, the recipe block, receipts, settings, schemas."""

@@ -1,0 +1,90 @@
+"""The ``coldsnap:`` block of a sparkrun recipe.
+
+Parsed strictly: an unknown key is an error that lists the allowed ones,
+because a misspelt setting silently ignored would change what gets captured.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+from pydantic import ValidationError as PydanticValidationError
+
+from sparkrun_coldsnap.documents.strict import Strict, allowed_keys, one_line
+from sparkrun_coldsnap.errors import RequestError
+
+_NAME_RE = re.compile(r"^[a-z0-9]+(?:[._-][a-z0-9]+)*$")
+_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+
+DEFAULT_PROMPT = "Reply with one short sentence: what is a cold start?"
+
+
+def check_capsule_name(value: str) -> str:
+    if not _NAME_RE.match(value):
+        raise ValueError("capsule name %r must be lower-case letters, digits and . _ - separators" % value)
+    return value
+
+
+def check_tag(value: str) -> str:
+    if not _TAG_RE.match(value):
+        raise ValueError("tag %r must match [A-Za-z0-9_][A-Za-z0-9._-]{0,127}" % value)
+    return value
+
+
+class CapsuleSettings(Strict):
+    name: str | None = Field(None, description="Capsule name in the store; defaults to the recipe's name.")
+    tag: str = Field("latest", description="Tag of the capsule to capture into and restore from.")
+    store: str | None = Field(None, description="Local capsule store (an OCI image layout directory).")
+    repository: str | None = Field(None, description="OCI repository (REGISTRY/REPO[:TAG]) to pull the capsule from when it is missing locally.")
+    plain_http: bool = Field(False, description="Talk to the registry over plain HTTP (a registry on loopback, say).")
+    ca_file: str | None = Field(None, description="CA certificate bundle to verify the registry's TLS certificate with.")
+    pull_weights: bool = Field(True, description="Fetch the model files from the capsule's weights artifact when they are missing here.")
+    pull_native: bool = Field(
+        True, description="Fetch the capsule's native weight payload, when it was published, with the capsule (weights: auto or native)."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, v: str | None) -> str | None:
+        return check_capsule_name(v) if v is not None else v
+
+    @field_validator("tag")
+    @classmethod
+    def _valid_tag(cls, v: str) -> str:
+        return check_tag(v)
+
+
+class ValidationSettings(Strict):
+    prompt: str = Field(DEFAULT_PROMPT, min_length=1, description="User message of the validation chat completion.")
+    expected_reply: str | None = Field(None, description="Reply the workload must give; by default the one recorded at capture.")
+    max_tokens: int = Field(16, ge=1, le=512, description="Tokens generated (greedily) for validation.")
+    timeout_seconds: float = Field(120.0, gt=0, description="Limit for the validation request.")
+
+
+class ColdsnapBlock(Strict):
+    capsule: CapsuleSettings = Field(default_factory=CapsuleSettings)
+    driver: str = Field("auto", description="Snapshot driver: auto, cpu, n610 or n580.")
+    engine: str | None = Field(None, description="Engine adapter; defaults from the recipe's runtime (vllm, sglang).")
+    engine_env: str | None = Field(
+        None, description="Local engine environment (installed by `sparkrun coldsnap setup`) for host-process workloads."
+    )
+    weights: Literal["auto", "native", "recovery", "in-image"] = Field("auto", description="How weights come back after restore.")
+    validation: ValidationSettings = Field(default_factory=ValidationSettings)
+    on_missing: Literal["vanilla", "fail"] = Field(
+        "vanilla", description="When the capsule does not exist: start the engine vanilla, or fail."
+    )
+    ready_timeout_seconds: float = Field(900.0, gt=0, description="How long a vanilla engine start may take.")
+
+
+def parse_block(value: Any, *, source: str = "recipe") -> ColdsnapBlock:
+    """Validate a raw ``coldsnap:`` value from YAML."""
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise RequestError("%s: coldsnap: must be a mapping of settings, got %s" % (source, type(value).__name__))
+    try:
+        return ColdsnapBlock.model_validate(value)
+    except PydanticValidationError as err:
+        raise RequestError(one_line(err, prefix="%s: coldsnap" % source, known=allowed_keys(ColdsnapBlock))) from err

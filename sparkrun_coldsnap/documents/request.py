@@ -1,0 +1,142 @@
+"""Strict, versioned requests: everything the controller needs, nothing ambient.
+
+A request is built once, from the recipe's ``coldsnap:`` block and sparkrun's
+placement, then handed to the controller. Its digest (sha256 of canonical
+JSON) names exactly what was asked for and lands in every receipt.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from sparkrun_coldsnap.digests import canonical_json, sha256_bytes
+from sparkrun_coldsnap.documents.strict import Strict
+
+REQUEST_FORMAT: Literal[1] = 1
+
+_REVISION_RE = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")
+_PINNED_IMAGE_RE = re.compile(r"^[^@\s]+@sha256:[0-9a-f]{64}$")
+# Values of variables whose names look like credentials never leave the host
+# in clear: requests, capsules and receipts keep their digest instead.
+_SECRET_NAME_RE = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_KEY|ACCESS_KEY)", re.I)
+
+
+def is_immutable_revision(value: str) -> bool:
+    return bool(_REVISION_RE.match(value or ""))
+
+
+def redact_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: (sha256_bytes(v.encode()) if _SECRET_NAME_RE.search(k) and not v.startswith("sha256:") else v) for k, v in env.items()}
+
+
+class ModelRef(Strict):
+    id: str = Field(min_length=1, description="Model id, e.g. Qwen/Qwen3-8B.")
+    revision: str = Field(description="Immutable revision: a 40- or 64-hex commit or content id.")
+    path: str | None = Field(None, description="Local directory holding the model files (the weights path).")
+
+    @field_validator("revision")
+    @classmethod
+    def _immutable(cls, v: str) -> str:
+        if not is_immutable_revision(v):
+            raise ValueError("model revision %r is not immutable: pin a commit hash (40 hex digits)" % v)
+        return v
+
+
+class LaunchUnit(Strict):
+    """One engine process tree: a rank on a host."""
+
+    name: str = Field(description="Unit name, e.g. 'solo' or 'rank-0'.")
+    host: str = Field(description="Host the unit runs on.")
+    rank: int = Field(0, ge=0)
+    devices: tuple[str, ...] = Field((), description="Accelerator indices the unit sees; empty on CPU.")
+
+
+class Topology(Strict):
+    hosts: tuple[str, ...] = Field(min_length=1)
+    tensor_parallel: int = Field(1, ge=1)
+    pipeline_parallel: int = Field(1, ge=1)
+    units: tuple[LaunchUnit, ...] = Field(min_length=1)
+
+
+class Launch(Strict):
+    executor: Literal["local", "docker"] = Field(description="How sparkrun places the engine: host processes or containers.")
+    command: str = Field(min_length=1, description="Serve command as rendered by sparkrun's runtime.")
+    env: dict[str, str] = Field(default_factory=dict)
+    port: int = Field(ge=1, le=65535)
+    engine_env: str | None = Field(None, description="Local engine environment name (host-process workloads).")
+    image: str | None = Field(None, description="Container image pinned by digest (name@sha256:...).")
+    volumes: dict[str, str] = Field(default_factory=dict, description="Container volumes, host path -> container path.")
+    shm_size: str | None = Field(None, description="Container /dev/shm size.")
+
+    @field_validator("image")
+    @classmethod
+    def _pinned(cls, v: str | None) -> str | None:
+        if v is not None and not _PINNED_IMAGE_RE.match(v):
+            raise ValueError("container image %r is not pinned by digest: use name@sha256:<digest>" % v)
+        return v
+
+
+class Workload(Strict):
+    """What runs: the identity a capsule is checked against before restore."""
+
+    recipe: str = Field(description="Recipe name.")
+    engine: str = Field(description="Engine adapter name (vllm, sglang).")
+    runtime: str = Field(description="sparkrun runtime that renders the command.")
+    model: ModelRef
+    topology: Topology
+    launch: Launch
+    driver: str = Field(description="Snapshot driver (cpu, n610, n580).")
+    weights: Literal["auto", "native", "recovery", "in-image"] = "auto"
+
+    def redacted(self) -> Workload:
+        """This workload with credential-like env values replaced by their digest: what may be stored."""
+        return self.model_copy(update={"launch": self.launch.model_copy(update={"env": redact_env(self.launch.env)})})
+
+
+class ValidationSpec(Strict):
+    prompt: str = Field(min_length=1)
+    expected_reply: str | None = None
+    max_tokens: int = Field(16, ge=1, le=512)
+    timeout_seconds: float = Field(120.0, gt=0)
+
+
+class CapsuleName(Strict):
+    name: str
+    tag: str = "latest"
+
+    @property
+    def ref(self) -> str:
+        return "%s:%s" % (self.name, self.tag)
+
+
+class _WorkloadRequest(Strict):
+    """What a capture and a restore both name: the workload, how to validate it, which capsule."""
+
+    format: Literal[1] = REQUEST_FORMAT
+    workload: Workload
+    validation: ValidationSpec
+    capsule: CapsuleName
+    ready_timeout_seconds: float = Field(900.0, gt=0)
+
+    def digest(self) -> str:
+        return request_digest(self)
+
+
+class CaptureRequest(_WorkloadRequest):
+    operation: Literal["capture"] = "capture"
+
+
+class RestoreRequest(_WorkloadRequest):
+    operation: Literal["restore"] = "restore"
+    on_missing: Literal["vanilla", "fail"] = "vanilla"
+    workload_name: str = Field(description="Name sparkrun tracks the running workload by (its executor's record name).")
+    workload_labels: dict[str, str] = Field(default_factory=dict, description="Container labels sparkrun's executor gives its workloads.")
+
+
+def request_digest(request: _WorkloadRequest) -> str:
+    """sha256 of the canonical JSON of *request*, secrets redacted (the digest may be published)."""
+    redacted = request.model_copy(update={"workload": request.workload.redacted()})
+    return sha256_bytes(canonical_json(redacted.model_dump(mode="json")))

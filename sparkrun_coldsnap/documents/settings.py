@@ -1,0 +1,135 @@
+"""The plugin's settings, read from the environment once, at the entry, into a frozen object.
+
+Every ``COLDSNAP_*`` variable (and the few standard ones the plugin honours) is read
+here and nowhere else. The CLI and the sparkrun strategy build the object when they
+start and install it; the controller receives it with each operation; lower layers
+ask :func:`current`. Tests build a :class:`Settings` and install it with
+:func:`using` instead of changing the environment.
+
+docs/user-guide.md ("Settings") lists each variable; keep the two in step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+OFF = ("0", "off", "no", "false")
+
+
+def _path(value: str) -> Path:
+    return Path(value).expanduser()
+
+
+@dataclass(frozen=True)
+class Settings:
+    #: ``COLDSNAP_HOME``: the private CRIU, engine environments, run state and the default store.
+    home: Path
+    #: ``COLDSNAP_STORE``: the capsule store when a recipe or ``--store`` names none.
+    store: Path
+    #: ``HF_HOME``: the Hugging Face cache sparkrun reads models from.
+    hf_home: Path
+    #: ``COLDSNAP_MEMORY_STAGING``: tmpfs directory for unpacked images (None: ``off``, stage on disk).
+    memory_staging: Path | None = Path("/dev/shm")
+    #: ``COLDSNAP_WEIGHTS_CACHE``: read the weights into the page cache during preparation.
+    weights_cache: bool = True
+    #: ``COLDSNAP_LAZY_PAGES``: memory on demand for the ``cpu`` driver's restores.
+    lazy_pages: bool = True
+    #: ``COLDSNAP_N610_LAZY_PAGES``: memory on demand for ``n610`` restores (off: slower on the GPU).
+    n610_lazy_pages: bool = False
+    #: ``COLDSNAP_TEMPLATE_PRELOAD``: modules a template boundary imports (empty: the adapter's).
+    template_preload: tuple[str, ...] = ()
+    #: ``COLDSNAP_CRIU``: a CRIU command line to try before the system's and the private one.
+    criu: tuple[str, ...] = ()
+    #: ``COLDSNAP_CUDA_PYTHON``: the interpreter of the CUDA checkpoint helper (None: this one).
+    cuda_python: str | None = None
+    #: ``COLDSNAP_DEBUG``: tracebacks and debug logs.
+    debug: bool = False
+    #: ``CUDA_VISIBLE_DEVICES`` of the restoring side: the GPUs a restored workload comes back on.
+    cuda_visible_devices: str | None = None
+    #: ``PYENV_ROOT``: where set-up looks for a Python 3.11 for the engine environment.
+    pyenv_root: Path = field(default_factory=lambda: Path.home() / ".pyenv")
+    #: registry credential files besides ``~/.docker/config.json`` (``DOCKER_CONFIG``,
+    #: ``REGISTRY_AUTH_FILE``, ``$XDG_RUNTIME_DIR/containers/auth.json``), existing or not.
+    credential_files: tuple[Path, ...] = ()
+    #: the environment the plugin was started with: what host-process engines and the
+    #: tools the plugin runs inherit.
+    environ: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        env = dict(os.environ if environ is None else environ)
+        home = _path(env["COLDSNAP_HOME"]) if env.get("COLDSNAP_HOME") else _path(env.get("XDG_DATA_HOME") or "~/.local/share") / "sparkrun-coldsnap"
+        staging = env.get("COLDSNAP_MEMORY_STAGING", "/dev/shm")
+        creds = []
+        if env.get("DOCKER_CONFIG"):
+            creds.append(_path(env["DOCKER_CONFIG"]) / "config.json")
+        if env.get("REGISTRY_AUTH_FILE"):
+            creds.append(_path(env["REGISTRY_AUTH_FILE"]))
+        if env.get("XDG_RUNTIME_DIR"):
+            creds.append(Path(env["XDG_RUNTIME_DIR"]) / "containers" / "auth.json")
+        return cls(
+            home=home,
+            store=_path(env["COLDSNAP_STORE"]) if env.get("COLDSNAP_STORE") else home / "store",
+            hf_home=_path(env["HF_HOME"]) if env.get("HF_HOME") else Path.home() / ".cache" / "huggingface",
+            memory_staging=None if staging == "off" else Path(staging),
+            weights_cache=env.get("COLDSNAP_WEIGHTS_CACHE", "auto").lower() not in OFF,
+            lazy_pages=env.get("COLDSNAP_LAZY_PAGES", "1") != "0",
+            n610_lazy_pages=env.get("COLDSNAP_N610_LAZY_PAGES") == "1",
+            template_preload=tuple(m for m in env.get("COLDSNAP_TEMPLATE_PRELOAD", "").split(",") if m),
+            criu=tuple(env.get("COLDSNAP_CRIU", "").split()),
+            cuda_python=env.get("COLDSNAP_CUDA_PYTHON") or None,
+            debug=bool(env.get("COLDSNAP_DEBUG")),
+            cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
+            pyenv_root=_path(env["PYENV_ROOT"]) if env.get("PYENV_ROOT") else Path.home() / ".pyenv",
+            credential_files=tuple(creds),
+            environ=MappingProxyType(env),
+        )
+
+    def replace(self, **changes: object) -> Settings:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def child_env(self, **extra: str) -> dict[str, str]:
+        """The environment for a tool the plugin runs: ours, plus *extra*."""
+        return {**self.environ, **extra}
+
+
+_active: Settings | None = None
+
+
+def current() -> Settings:
+    """The installed settings; a library caller that installed none gets the environment's, read once."""
+    global _active
+    if _active is None:
+        _active = Settings.from_environ()
+    return _active
+
+
+def install(settings: Settings) -> Settings:
+    """Make *settings* the process's settings (the CLI and the sparkrun strategy do this at entry)."""
+    global _active
+    _active = settings
+    return settings
+
+
+def forget() -> None:
+    """Drop the installed settings; the next :func:`current` reads the environment again."""
+    global _active
+    _active = None
+
+
+@contextlib.contextmanager
+def using(settings: Settings) -> Iterator[Settings]:
+    """*settings* for the duration of the block, then the previous ones again."""
+    global _active
+    before = _active
+    _active = settings
+    try:
+        yield settings
+    finally:
+        _active = before

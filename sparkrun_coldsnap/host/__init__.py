@@ -1,0 +1,1 @@
+"""The host a unit runs on: facts, paths, disk room, processes, the subprocess runner."""

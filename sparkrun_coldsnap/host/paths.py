@@ -1,0 +1,67 @@
+"""Where the embedded default keeps its things.
+
+Everything lives under one root, the settings' ``home`` (``$COLDSNAP_HOME``, default
+``~/.local/share/sparkrun-coldsnap``): the private CRIU, the local engine
+environments, the run state and the capsule store.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sparkrun_coldsnap.documents.settings import current
+from sparkrun_coldsnap.host import disk_room
+
+
+def coldsnap_home() -> Path:
+    return current().home
+
+
+def default_store() -> Path:
+    return current().store
+
+
+def criu_prefix() -> Path:
+    return coldsnap_home() / "criu"
+
+
+def engines_dir() -> Path:
+    return coldsnap_home() / "engines"
+
+
+def engine_env_dir(name: str) -> Path:
+    return engines_dir() / name
+
+
+def hf_home() -> Path:
+    """The Hugging Face cache sparkrun reads models from (``$HF_HOME``, else ``~/.cache/huggingface``)."""
+    return current().hf_home
+
+
+def hf_snapshot_dir(model_id: str, revision: str, hub_home: Path | str | None = None) -> Path:
+    """Where the Hugging Face cache keeps *revision* of *model_id* (``models--ORG--NAME/snapshots/REV``)."""
+    return Path(hub_home if hub_home is not None else hf_home()) / "hub" / ("models--" + model_id.replace("/", "--")) / "snapshots" / revision
+
+
+def run_dir() -> Path:
+    """Per-workload runtime state (logs of units started by the plugin)."""
+    return coldsnap_home() / "run"
+
+
+def memory_staging(needed_bytes: int) -> Path | None:
+    """A directory on tmpfs for unpacked images, if it has room to spare.
+
+    Restoring from memory avoids two costs of a disk staging area: reading
+    the images back, and the writeback of freshly unpacked data competing with
+    the restore for the disk. Sparse images take only their non-zero bytes.
+    """
+    root = current().memory_staging
+    if root is None or not root.is_dir():
+        return None
+    try:
+        free = disk_room.free_bytes(root)
+    except OSError:
+        return None
+    if free < 2 * needed_bytes:
+        return None
+    return root / "coldsnap-staging"

@@ -1,0 +1,144 @@
+"""One process tree on this host, read from /proc: its processes, what they hold open or map, stopping it.
+
+Drivers (what CRIU can capture) and launch units (starting and stopping engines)
+both stand on this module; neither imports the other.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import psutil
+
+from sparkrun_coldsnap.errors import EngineError
+
+SHARED_MEMORY_DIRS = ("/dev/shm/",)
+
+
+def tree(root_pid: int) -> list[psutil.Process]:
+    root = psutil.Process(root_pid)
+    return [root] + root.children(recursive=True)
+
+
+def tree_pids(root_pid: int) -> list[int]:
+    """The root and all its descendants, root first."""
+    try:
+        root = psutil.Process(root_pid)
+        return [root_pid] + [p.pid for p in root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def fd_targets(pid: int) -> list[tuple[int, str]]:
+    out: list[tuple[int, str]] = []
+    base = "/proc/%d/fd" % pid
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return out
+    for name in names:
+        try:
+            out.append((int(name), os.readlink(os.path.join(base, name))))
+        except OSError:
+            continue
+    return sorted(out)
+
+
+def mapped_paths(pid: int) -> set[str]:
+    out = set()
+    try:
+        with open("/proc/%d/maps" % pid) as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and parts[5].startswith("/"):
+                    out.add(parts[5].rstrip("\n"))
+    except OSError:
+        pass
+    return out
+
+
+def shared_memory_files(root_pid: int) -> list[str]:
+    """Files on shared-memory filesystems the tree has open or mapped (not deleted ones)."""
+    out: set[str] = set()
+    for p in tree(root_pid):
+        candidates = {t for _, t in fd_targets(p.pid)} | mapped_paths(p.pid)
+        for path in candidates:
+            if path.startswith(SHARED_MEMORY_DIRS) and not path.endswith(" (deleted)") and Path(path).is_file():
+                out.add(path)
+    return sorted(out)
+
+
+def users_of(paths: set[str]) -> dict[str, list[str]]:
+    """Which live processes have any of *paths* open or mapped."""
+    found: dict[str, list[str]] = {}
+    if not paths:
+        return found
+    for p in psutil.process_iter(["pid", "name"]):
+        try:
+            held = {t for _, t in fd_targets(p.pid)} | mapped_paths(p.pid)
+        except psutil.Error:
+            continue
+        for path in paths & held:
+            found.setdefault(path, []).append("%d (%s)" % (p.pid, p.info["name"]))
+    return found
+
+
+def kill_tree(root_pid: int, *, grace: float = 10.0) -> None:
+    """Stop a unit: SIGTERM to its process group, SIGKILL what remains after *grace*.
+
+    A namespace init ignores signals it has no handler for, so SIGKILL (which
+    always reaches it, and takes the whole namespace with it) is the backstop.
+    """
+    pids = tree_pids(root_pid)
+    if not pids:
+        return
+    shared = _shared_files(root_pid)
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(root_pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        procs = []
+        for pid in pids:
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=wait)
+        alive = [p for p in alive if _not_zombie(p)]
+        if not alive:
+            _remove_orphans(shared)
+            return
+    raise EngineError("processes %s of unit %d survived SIGKILL" % (", ".join(str(p.pid) for p in alive), root_pid))
+
+
+def _not_zombie(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _shared_files(root_pid: int) -> list[str]:
+    try:
+        return shared_memory_files(root_pid)
+    except psutil.Error:
+        return []
+
+
+def _remove_orphans(paths: list[str]) -> None:
+    """Shared-memory files the stopped tree leaked (a killed engine does not clean up)."""
+    held = users_of(set(paths))
+    for path in paths:
+        if path not in held:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass

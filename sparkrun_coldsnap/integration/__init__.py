@@ -1,0 +1,1 @@
+"""Everything that touches sparkrun (pinned at 0.4.2)."""

@@ -1,0 +1,45 @@
+"""sparkrun's own planning and launching, driven from the plugin's verbs."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from sparkrun_coldsnap.errors import RequestError
+from sparkrun_coldsnap.integration.placement import OPT_PLAN_INTO, OPT_RECEIPT, OPT_REQUIRE_CAPSULE, OPT_STORE
+
+
+def plan_activation(recipe: str, *, hosts: tuple[str, ...] | None, cluster: str | None, overrides: Mapping[str, Any], offline: bool | None) -> Any:
+    """sparkrun's placement and rendering for *recipe*, without launching anything.
+
+    A real (probed) plan, then a dry run of the launcher whose strategy call
+    hands back the ActivationContext: the serve command, port, hosts and
+    cluster id exactly as ``sparkrun run`` would use them.
+    """
+    from sparkrun import api
+
+    holder: list = []
+    opts = api.RunOptions(recipe, hosts=hosts, cluster=cluster, overrides=dict(overrides), offline=offline, strategy_options={OPT_PLAN_INTO: holder})
+    plan = api.plan(opts)
+    if plan.runtime is None:
+        raise RequestError("%s: sparkrun could not resolve a runtime for this recipe" % recipe)
+    api.run(dataclasses.replace(opts, dry_run=True), plan=plan)
+    if not holder:
+        raise RequestError("%s has no coldsnap: block, or the coldsnap plugin is not enabled (sparkrun plugins enable coldsnap)" % recipe)
+    return holder[0]
+
+
+def run_recipe(
+    recipe: str, *, hosts: tuple[str, ...] | None, cluster: str | None, overrides: Mapping[str, Any], offline: bool | None,
+    require_capsule: bool, receipt: str | None, store: str | None, dry_run: bool,
+) -> int:  # fmt: skip
+    """``sparkrun run`` of *recipe* through the API (eviction and metadata included)."""
+    from sparkrun import api
+
+    opts = api.RunOptions(
+        recipe, hosts=hosts, cluster=cluster, overrides=dict(overrides), offline=offline, dry_run=dry_run,
+        strategy_options={OPT_REQUIRE_CAPSULE: require_capsule, OPT_RECEIPT: receipt, OPT_STORE: store},
+    )  # fmt: skip
+    result = api.run(opts)
+    return int(result.rc)

@@ -1,0 +1,212 @@
+"""``sparkrun run`` of a recipe with a ``coldsnap:`` block: restore, or start vanilla.
+
+sparkrun calls ``prepare_activation`` before it stops the old workload and ``activate``
+after: admission, staging and any pull happen in the first, so a refusal leaves the
+old workload serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from sparkrun_coldsnap import controller
+from sparkrun_coldsnap.capsule.store import CapsuleStore
+from sparkrun_coldsnap.documents import settings as settings_mod
+from sparkrun_coldsnap.documents.receipts import Receipt, save_failure_receipt, save_receipt
+from sparkrun_coldsnap.documents.recipe_block import ColdsnapBlock
+from sparkrun_coldsnap.documents.request import RestoreRequest
+from sparkrun_coldsnap.errors import ColdsnapError, NotFoundError
+from sparkrun_coldsnap.host import paths
+from sparkrun_coldsnap.integration.placement import OPT_PLAN_INTO, OPT_RECEIPT, capsule_name, restore_request, store_for, workload_name
+from sparkrun_coldsnap.integration.recipe_item import block_of, source_of
+from sparkrun_coldsnap.integration.records import local_record_paths, register_local
+from sparkrun_coldsnap.progress import Progress
+
+STRATEGY = "coldsnap"
+
+
+@dataclasses.dataclass
+class DryRun:
+    text: str
+
+
+@dataclasses.dataclass
+class Vanilla:
+    request: RestoreRequest
+    reason: str
+
+
+def _say(text: str) -> None:
+    print("[coldsnap] " + text, file=sys.stderr, flush=True)
+
+
+def asset_policy():
+    from sparkrun.plugins import LaunchAssetPolicy
+
+    # run_builder: a capsule pins its image by digest; rebuilding would change it.
+    # clear_page_cache: sparkrun drops caches before launch; after we stage a
+    # capsule that would throw the staged images out again.
+    return LaunchAssetPolicy(run_builder=False, clear_page_cache=False, sync_tuning=False)
+
+
+class Strategy:
+    """``sparkrun run`` of a recipe with a ``coldsnap:`` block: restore, or start vanilla."""
+
+    name = STRATEGY
+
+    def preparation_steps(self, context: Any) -> tuple:
+        return ()
+
+    def finalize_preparation(self, context: Any, receipts: Mapping[str, Any]) -> Any:
+        from sparkrun.plugins import PreparedExecution
+
+        return PreparedExecution(strategy=self.name, assets=asset_policy(), receipts=dict(receipts))
+
+    def prepare_activation(self, context: Any) -> Any:
+        opts = context.execution.options
+        holder = (opts.strategy_options or {}).get(OPT_PLAN_INTO)
+        if isinstance(holder, list):
+            holder.append(context)
+            return DryRun("planning only")
+        # The strategy is an entry: the process's settings (read from the environment once,
+        # or installed by our own CLI when it drives sparkrun in-process).
+        settings = settings_mod.current()
+        try:
+            req = restore_request(context)
+            store = store_for(context)
+            if opts.dry_run:
+                return DryRun(describe_plan(req, store))
+            block = block_of(context.execution.plan.recipe)
+            try:
+                store.resolve(req.capsule.ref)
+            except NotFoundError:
+                if block.capsule.repository:
+                    try:
+                        pull_capsule(block, req, store)
+                    except NotFoundError as err:
+                        if req.on_missing == "fail":
+                            raise
+                        return Vanilla(req, "no capsule %s here nor in %s (%s)" % (req.capsule.ref, block.capsule.repository, err))
+                    req = restore_request(context)  # the model directory may exist now
+                elif req.on_missing == "fail":
+                    raise NotFoundError(
+                        "capsule %s is not in %s and the recipe sets on_missing: fail: run `sparkrun coldsnap capture %s` first"
+                        % (req.capsule.ref, store.root, source_of(context.execution.plan.recipe))
+                    ) from None
+                else:
+                    return Vanilla(req, "no capsule %s in %s yet" % (req.capsule.ref, store.root))
+            progress = Progress()
+            prepared = controller.prepare_restore(req, store=store, settings=settings, progress=progress)
+            _say("capsule %s admitted and staged in %.1f s (before the old workload is stopped)" % (req.capsule.ref, prepared.prepare_seconds))
+            return prepared
+        except ColdsnapError as err:
+            _write_failure_receipt(context, err)
+            raise RuntimeError(str(err)) from None
+
+    def activate(self, context: Any, state: Any) -> Any:
+        from sparkrun.plugins import ActivationResult
+
+        if isinstance(state, DryRun):
+            if state.text != "planning only":
+                _say(state.text)
+            return ActivationResult(rc=0, runtime_info={"coldsnap": "dry-run"})
+        name = workload_name(context)
+        _, log_path = local_record_paths(name)
+        progress = Progress()
+        try:
+            if isinstance(state, Vanilla):
+                _say("%s: starting the engine vanilla (capture it with `sparkrun coldsnap capture`)" % state.reason)
+                local = state.request.workload.launch.executor == "local"
+                out = controller.start_vanilla(
+                    state.request, log_path=log_path, settings=settings_mod.current(), progress=progress, on_started=(lambda pid: _register(name, pid)) if local else None
+                )
+                _write_receipt(context, out.receipt)
+                _say("vanilla start answered after %.1f s" % (out.ttft_seconds or 0))
+                return ActivationResult(rc=0, runtime_info={"coldsnap": "vanilla start (no capsule)", "coldsnap_ttft_s": "%.2f" % (out.ttft_seconds or 0)})
+            out = controller.activate_restore(state, log_path=log_path, progress=progress)
+            if state.request.workload.launch.executor == "local":
+                register_local(name, out.root_pid)  # containers carry sparkrun's name and labels instead
+            _write_receipt(context, out.receipt)
+            _say(
+                "restored %s (%s): first token %.2f s after restore began, reply matches capture"
+                % (state.request.capsule.ref, state.capsule.digest[:19], out.ttft_seconds or 0)
+            )
+            return ActivationResult(
+                rc=0, runtime_info={"coldsnap": "restored %s" % state.capsule.digest[:19], "coldsnap_ttft_s": "%.2f" % (out.ttft_seconds or 0)}
+            )
+        except ColdsnapError as err:
+            _write_failure_receipt(context, err)
+            raise RuntimeError(str(err)) from None
+
+
+def _register(name: str, pid: int) -> None:
+    register_local(name, pid)
+
+
+def pull_capsule(block: ColdsnapBlock, req: RestoreRequest, store: CapsuleStore) -> None:
+    """Bring a missing capsule (and, if missing too, its weights) from the recipe's repository, before eviction."""
+    from sparkrun_coldsnap.capsule import transfer
+    from sparkrun_coldsnap.capsule.reference import parse
+    from sparkrun_coldsnap.capsule.registry import RegistryClient, Transport
+
+    transport = Transport(plain_http=block.capsule.plain_http, ca_file=block.capsule.ca_file)
+    ref = parse(block.capsule.repository or "", default_tag=None)
+    ref = ref if (ref.tag or ref.digest) else ref.with_tag(req.capsule.tag)
+    model_path = req.workload.model.path
+    # Not published, or not fetched: auto takes the recovery path, native is refused at admission.
+    got = transfer.pull_with_companions(
+        RegistryClient(ref, transport), ref, store, local_ref=req.capsule.ref,
+        model_dir_of=lambda cap: Path(model_path) if model_path else paths.hf_snapshot_dir(cap.config.weights.model_id, cap.config.weights.revision),
+        want_weights=lambda cap: cap.config.weights.location == "external" and block.capsule.pull_weights and bool(transfer.weights_subject(cap)),
+        want_native=lambda cap: bool(cap.config.weights.native) and block.capsule.pull_native and block.weights in ("auto", "native"),
+        native_optional=True, progress=Progress(),
+    )  # fmt: skip
+    _say("pulled %s from %s" % (req.capsule.ref, ref))
+    if got.weight_files:
+        _say("fetched %d model file(s) from the capsule's weights artifact" % got.weight_files)
+    if got.native_files:
+        _say("fetched the capsule's native weight payload")
+    if got.native_error:
+        _say("native weight payload not fetched: %s" % got.native_error)
+
+
+def describe_plan(req: RestoreRequest, store: CapsuleStore) -> str:
+    """What ``sparkrun run`` would do, admission included (it only reads)."""
+    from sparkrun_coldsnap.capsule.capsule import open_capsule
+
+    try:
+        cap = open_capsule(store, req.capsule.ref)
+        problems, choice = controller.check_admission(cap, req, controller.resolve(req.workload, settings_mod.current()))
+        verdict = "admission would refuse it: %s" % "; ".join(problems) if problems else "admission passes"
+        if choice is not None and not problems:
+            verdict += "; weights by the %s path%s" % (choice.path, " (%s)" % choice.note if choice.note else "")
+        what = "restore capsule %s (%s) from %s; %s" % (req.capsule.ref, cap.digest[:19], store.root, verdict)
+    except NotFoundError:
+        what = "no capsule %s in %s: %s" % (req.capsule.ref, store.root, "start vanilla" if req.on_missing == "vanilla" else "fail")
+    except ColdsnapError as err:
+        what = "not restore: %s" % err
+    w = req.workload
+    return "dry run: would %s; engine %s, driver %s, port %d, workload %s; nothing was changed" % (what, w.engine, w.driver, w.launch.port, req.workload_name)
+
+
+def _receipt_place(context: Any) -> tuple[Path | None, Path, str]:
+    explicit = (context.execution.options.strategy_options or {}).get(OPT_RECEIPT)
+    name = capsule_name(context, block_of(context.execution.plan.recipe)).name
+    return Path(explicit) if explicit else None, store_for(context).receipts, name
+
+
+def _write_receipt(context: Any, receipt: Receipt) -> None:
+    try:
+        _say("receipt: %s" % save_receipt(receipt, *_receipt_place(context)))
+    except ColdsnapError as err:
+        _say("could not write the receipt: %s" % err)
+
+
+def _write_failure_receipt(context: Any, err: ColdsnapError) -> None:
+    path = save_failure_receipt(err, *_receipt_place(context))
+    if path is not None:
+        _say("receipt: %s" % path)

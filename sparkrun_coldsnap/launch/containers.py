@@ -1,0 +1,83 @@
+"""Units run in Docker containers (sparkrun's usual executor), checkpointed through the runtime."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sparkrun_coldsnap.errors import CaptureError
+from sparkrun_coldsnap.launch import docker
+from sparkrun_coldsnap.launch.base import Launcher, Progress, RunningUnit
+from sparkrun_coldsnap.launch.docker import ContainerSpec
+
+if TYPE_CHECKING:
+    from sparkrun_coldsnap.documents.request import LaunchUnit, RestoreRequest, Workload
+    from sparkrun_coldsnap.drivers.base import SnapshotDriver, UnitImage
+    from sparkrun_coldsnap.launch.engine_env import EngineEnv
+
+
+def container_spec(workload: Workload, command: str, env: Mapping[str, str], labels: Mapping[str, str] | None = None) -> ContainerSpec:
+    if not workload.launch.image:
+        raise CaptureError("the recipe runs in a container but names no image pinned by digest: set container:")
+    return ContainerSpec(
+        image=workload.launch.image.split("@", 1)[1],
+        command=command,
+        env=dict(env),
+        volumes=dict(workload.launch.volumes),
+        shm_size=workload.launch.shm_size or "32g",
+        labels=dict(labels or {}),
+    )
+
+
+@dataclass
+class StagedContainer:
+    """A new container created and loaded with the checkpoint under a temporary name, not started."""
+
+    driver: SnapshotDriver
+    container: Any
+
+    def activate(self, name: str, *, log_path: Path, progress: Progress) -> RunningUnit:
+        container, self.container = self.container, None
+        return self.driver.start_container(container, name, progress)
+
+    def discard(self) -> None:
+        if self.container is not None:
+            self.container.remove()
+            self.container = None
+
+
+class Containers(Launcher):
+    executor = "docker"
+    stage_phase = "prepare.container"
+
+    def engine_env(self, workload: Workload, engine_env: EngineEnv | None, base_env: Mapping[str, str]) -> dict[str, str]:
+        return dict(workload.launch.env)  # a container gets only the workload's
+
+    def check_capturable(self) -> None:
+        docker.check_checkpointing()
+
+    def runtime_summary(self) -> str | None:
+        return docker.runtime_summary()
+
+    def start(self, workload: Workload, command: str, env: Mapping[str, str], *, log_path: Path, name: str, labels: Mapping[str, str] | None = None) -> RunningUnit:
+        return docker.start_container(container_spec(workload, command, env, labels), name)
+
+    def room_needed(self, images: Path) -> list[tuple[Path, float, str]]:
+        return super().room_needed(images) + [(Path(docker.info()["root_dir"]), 1.0, "docker's checkpoint")]
+
+    def checkpoint(self, driver: SnapshotDriver, unit: RunningUnit, images: Path, *, unit_def: LaunchUnit, progress: Progress) -> UnitImage:
+        return driver.checkpoint_container(unit, images, unit_name=unit_def.name, host=unit_def.host, spec=getattr(unit, "spec", None), progress=progress)
+
+    def stage(self, driver: SnapshotDriver, image: UnitImage, images: Path, *, staging: Path, request: RestoreRequest) -> StagedContainer:
+        launch = request.workload.launch
+        spec = ContainerSpec.from_json(image.driver_data["container"], labels=request.workload_labels, env=launch.env, volumes=launch.volumes)
+        temp = "coldsnap-restore-%s-%s" % (request.capsule.name, os.path.basename(staging)[-8:].lower())
+        try:
+            staged = StagedContainer(driver, driver.prepare_container(image, images, spec, temp))
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # the container holds its own copy now
+        return staged

@@ -1,0 +1,63 @@
+"""Units run as host processes: the engine command as its own process tree (sparkrun's local executor)."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sparkrun_coldsnap.launch.base import Launcher, Progress, RunningUnit
+from sparkrun_coldsnap.launch.local import StartedUnit, start_unit
+
+if TYPE_CHECKING:
+    from sparkrun_coldsnap.documents.request import LaunchUnit, RestoreRequest, Workload
+    from sparkrun_coldsnap.drivers.base import SnapshotDriver, UnitImage
+    from sparkrun_coldsnap.launch.engine_env import EngineEnv
+
+
+@dataclass
+class StagedTree:
+    """Images unpacked on this host, and what the driver started ahead (its warm-up)."""
+
+    driver: SnapshotDriver
+    image: UnitImage
+    images: Path
+    staging: Path
+    warm: Any = None
+    _handed_over: bool = False
+
+    def activate(self, name: str, *, log_path: Path, progress: Progress) -> RunningUnit:
+        warm, self.warm = self.warm, None
+        restored = self.driver.restore(self.image, self.images, log_path=log_path, progress=progress, owned_dir=self.staging, warm=warm)
+        # A driver still reading the images (memory on demand) removes them itself when done.
+        self._handed_over = restored.images_handed_over
+        return StartedUnit(restored.root_pid, None, log_path)
+
+    def discard(self) -> None:
+        if self.warm is not None:
+            self.warm.close()
+            self.warm = None
+        if not self._handed_over:
+            shutil.rmtree(self.staging, ignore_errors=True)
+            self._handed_over = True
+
+
+class HostProcesses(Launcher):
+    executor = "local"
+    stage_phase = "prepare.warm_up"
+
+    def engine_env(self, workload: Workload, engine_env: EngineEnv | None, base_env: Mapping[str, str]) -> dict[str, str]:
+        # A host process inherits the plugin's environment, as sparkrun's local executor's would.
+        env = {**base_env, **workload.launch.env}
+        return engine_env.apply(env) if engine_env else env
+
+    def start(self, workload: Workload, command: str, env: Mapping[str, str], *, log_path: Path, name: str, labels: Mapping[str, str] | None = None) -> RunningUnit:
+        return start_unit(command, env=env, log_path=log_path)
+
+    def checkpoint(self, driver: SnapshotDriver, unit: RunningUnit, images: Path, *, unit_def: LaunchUnit, progress: Progress) -> UnitImage:
+        return driver.checkpoint(unit.root_pid, images, unit=unit_def.name, host=unit_def.host, progress=progress)
+
+    def stage(self, driver: SnapshotDriver, image: UnitImage, images: Path, *, staging: Path, request: RestoreRequest) -> StagedTree:
+        return StagedTree(driver, image, images, staging, warm=driver.warm_up(image))

@@ -1,0 +1,217 @@
+"""The native weight payload, from inside vLLM's worker processes.
+
+Loaded with ``--worker-extension-cls coldsnap_native_weights.NativeWeights`` and
+called through vLLM's ``/collective_rpc``. At capture each worker writes the storage of
+every parameter and buffer it holds *as loaded* (after vLLM's fusing and post-processing)
+to one flat file; after restore it reads that file straight back into the same storages
+(the allocator puts them back at the same addresses when the weights wake): no safetensors
+parsing, no name mapping, no re-processing. The file is read in large aligned chunks
+by several threads at once (``O_DIRECT`` where the file system allows it, so a cold
+page cache is not a second copy) into pinned buffers, and each chunk is copied to the
+device while the next ones are still being read.
+
+Standard library and torch only: this runs in the engine's interpreter.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+FORMAT = 1
+ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffers on block boundaries
+CHUNK = 64 << 20
+READERS = 8
+
+
+def payload_names(rank: int) -> tuple[str, str]:
+    return "rank-%d.bin" % rank, "rank-%d.json" % rank
+
+
+def layout(entries: Iterable[tuple[str, int]]) -> list[dict[str, Any]]:
+    """Back-to-back offsets for (name, nbytes) in the given order."""
+    out, offset = [], 0
+    for name, nbytes in entries:
+        out.append({"name": name, "offset": offset, "nbytes": nbytes})
+        offset += nbytes
+    return out
+
+
+def chunks(total: int, size: int) -> list[tuple[int, int]]:
+    return [(off, min(size, total - off)) for off in range(0, total, size)]
+
+
+def copies_for(chunk_off: int, chunk_len: int, tensors: list[dict[str, Any]], offsets: list[int]) -> list[tuple[int, int, int, int]]:
+    """Which bytes of a chunk go where: (tensor index, offset in chunk, offset in tensor, length).
+    *offsets* are the tensors' ascending offsets (as ``layout`` lays them), so only the tensors
+    the chunk overlaps are looked at."""
+    out = []
+    end = chunk_off + chunk_len
+    for i in range(max(bisect.bisect_right(offsets, chunk_off) - 1, 0), len(tensors)):
+        t = tensors[i]
+        if t["offset"] >= end:
+            break
+        a, b = max(chunk_off, t["offset"]), min(end, t["offset"] + t["nbytes"])
+        if a < b:
+            out.append((i, a - chunk_off, a - t["offset"], b - a))
+    return out
+
+
+def _held_storages(model) -> list[tuple[str, Any]]:
+    """The storage behind every parameter and buffer (rotary caches, scales) of the loaded
+    model, once each, as a flat byte tensor, named after the first tensor using it. Whole
+    storages, so transposed or strided views and tied weights need no special case.
+    These are what a level-2 sleep takes off the device and vLLM's own reload puts back.
+    Plain tensor attributes are left out: the KV cache is one, and it is no weight."""
+    import torch
+
+    found = list(model.named_parameters()) + list(model.named_buffers())
+    seen, out = set(), []
+    for name, t in found:
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0 or storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        out.append((name, torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)))
+    return out
+
+
+def _aligned_buffer(nbytes: int, *, pin: bool):
+    """A byte tensor starting on a block boundary, as O_DIRECT needs (pinned memory is
+    page-aligned already; the CPU allocator only promises 64 bytes)."""
+    import torch
+
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    skip = -raw.data_ptr() % ALIGN
+    return raw[skip : skip + nbytes]
+
+
+def _open_for_reading(path: str, *, direct: bool = True) -> tuple[int, bool]:
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+    o_direct = getattr(os, "O_DIRECT", 0) if direct else 0
+    if o_direct:
+        try:
+            return os.open(path, flags | o_direct), True
+        except OSError:
+            pass  # tmpfs and some overlays refuse O_DIRECT: buffered reads then
+    return os.open(path, flags), False
+
+
+def _read_into(fds: tuple[int, int], view: memoryview, offset: int, length: int) -> None:
+    """Fill view[:length] from the file at offset; a direct read first, buffered for any rest."""
+    direct_fd, plain_fd = fds
+    done = 0
+    if direct_fd >= 0:
+        want = (length + ALIGN - 1) // ALIGN * ALIGN  # may run past the end of file: a short read
+        try:
+            done = min(os.preadv(direct_fd, [view[:want]], offset), length)
+        except OSError:
+            done = 0
+    while done < length:
+        n = os.preadv(plain_fd, [view[done:length]], offset + done)
+        if n <= 0:
+            raise RuntimeError("native payload ends early at byte %d" % (offset + done))
+        done += n
+
+
+class NativeWeights:
+    """Mixed into vLLM's worker class; every method name is prefixed to avoid clashes."""
+
+    def _coldsnap_rank(self) -> int:
+        return int(getattr(self, "rank", 0) or 0)
+
+    def _coldsnap_model(self):
+        get = getattr(self, "get_model", None)
+        return get() if callable(get) else self.model_runner.model
+
+    def coldsnap_export_native(self, directory: str) -> dict[str, Any]:
+        """Write this worker's loaded tensors to DIRECTORY/rank-N.{bin,json}."""
+        import torch
+
+        rank = self._coldsnap_rank()
+        bin_name, index_name = payload_names(rank)
+        held = _held_storages(self._coldsnap_model())
+        table = layout((name, t.numel()) for name, t in held)
+        t0 = time.monotonic()
+        with open(os.path.join(directory, bin_name), "wb") as f:
+            for _name, t in held:
+                f.write(memoryview(t.to("cpu").numpy()))
+            f.flush()
+            os.fsync(f.fileno())
+        total = sum(e["nbytes"] for e in table)
+        index = {"format": FORMAT, "rank": rank, "bytes": total, "torch": torch.__version__, "tensors": table}
+        with open(os.path.join(directory, index_name), "w") as f:
+            json.dump(index, f)
+        return {"rank": rank, "bytes": total, "tensors": len(table), "seconds": round(time.monotonic() - t0, 4)}
+
+    def coldsnap_load_native(self, directory: str, cached: bool = False) -> dict[str, Any]:
+        """Read DIRECTORY/rank-N.bin back into the tensors it was written from; *cached*: the
+        file was just read into the page cache, so buffered reads copy it from memory where
+        direct I/O would read the disk again."""
+        import torch
+
+        t0 = time.monotonic()
+        rank = self._coldsnap_rank()
+        bin_name, index_name = payload_names(rank)
+        with open(os.path.join(directory, index_name)) as f:
+            index = json.load(f)
+        held = _held_storages(self._coldsnap_model())
+        table = index["tensors"]
+        now = [(name, t.numel()) for name, t in held]
+        was = [(e["name"], e["nbytes"]) for e in table]
+        if now != was:
+            diff = next(((a, b) for a, b in zip(was, now) if a != b), (len(was), len(now)))
+            raise RuntimeError("native payload does not fit this model (payload %r, model %r): capture again" % diff)
+        dests = [t for _, t in held]
+        on_gpu = any(t.is_cuda for _, t in held)
+        slots = [_aligned_buffer(CHUNK, pin=on_gpu) for _ in range(READERS)]
+        path = os.path.join(directory, bin_name)
+        direct_fd, direct = _open_for_reading(path, direct=not cached)
+        plain_fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)) if direct else direct_fd
+        direct = direct and all(s.data_ptr() % ALIGN == 0 for s in slots)
+        fds = (direct_fd if direct else -1, plain_fd)
+        plan = chunks(index["bytes"], CHUNK)
+        offsets = [e["offset"] for e in table]
+        consumed = [0]
+        turn = threading.Condition()
+
+        def read(i: int):
+            # Chunk i reuses slot i % READERS: it waits until chunk i - READERS was copied out.
+            with turn:
+                turn.wait_for(lambda: consumed[0] > i - READERS)
+            slot = slots[i % READERS]
+            off, n = plan[i]
+            _read_into(fds, memoryview(slot.numpy()), off, n)
+            return slot
+
+        pool = ThreadPoolExecutor(READERS)
+        try:
+            futures = [pool.submit(read, i) for i in range(len(plan))]
+            for i, fut in enumerate(futures):
+                slot = fut.result()
+                off, n = plan[i]
+                for k, src, dst, length in copies_for(off, n, table, offsets):
+                    dests[k][dst : dst + length].copy_(slot[src : src + length], non_blocking=on_gpu)
+                if on_gpu:
+                    torch.cuda.current_stream().synchronize()
+                with turn:
+                    consumed[0] = i + 1
+                    turn.notify_all()
+        except BaseException:
+            with turn:  # release every waiting reader so the pool can wind down
+                consumed[0] = len(plan) + READERS
+                turn.notify_all()
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            os.close(plain_fd)
+            if direct_fd != plain_fd:
+                os.close(direct_fd)
+        seconds = time.monotonic() - t0
+        return {"rank": rank, "bytes": index["bytes"], "tensors": len(table), "seconds": round(seconds, 4), "direct_io": direct}
