@@ -169,7 +169,8 @@ def test_incompatible_fingerprint_names_every_mismatch_and_keeps_the_old_workloa
         before = {p.pid for p in engine_processes()}
         other = copy_store(store, tmp_path)
         republish_with(other, kernel_release="5.15.0-other", criu_version="4.1.1", torch_version="2.0.0")
-        bad = recipe_with_store(tmp_path, other, name="tiny.yaml")  # same recipe name: same sparkrun workload
+        # Same recipe name: same sparkrun workload; refusals fail here rather than start vanilla.
+        bad = recipe_with_store(tmp_path, other, name="tiny.yaml", extra="  on_incompatible: fail\n")
         cp = sparkrun("run", str(bad), "-H", "localhost", "--no-follow", check=False)
         text = cp.stderr + cp.stdout
         assert cp.returncode != 0

@@ -84,8 +84,12 @@ class RegistryClient:
         except Exception:  # noqa: BLE001 - unreadable credential files: go on anonymously
             pass
         # The basic-auth backend's header carries what it found (ORAS_USER/ORAS_PASS, the
-        # credential files, their credential helpers); "Basic None" when it found nothing.
-        scheme, _, encoded = auth.get_auth_header().get("Authorization", "").partition(" ")
+        # credential files, their credential helpers); it has no header when it found nothing.
+        try:
+            header = auth.get_auth_header()
+        except AttributeError:
+            return None
+        scheme, _, encoded = header.get("Authorization", "").partition(" ")
         if scheme != "Basic" or encoded in ("", "None"):
             return None
         user, _, password = base64.b64decode(encoded).decode(errors="replace").partition(":")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sparkrun_coldsnap.compat.fingerprint import Fingerprint, TopologyFacts, compare
+from sparkrun_coldsnap.host import file_drift
 from sparkrun_coldsnap.host.facts import host_facts
 from sparkrun_coldsnap.weights import model_files, weight_paths
 
@@ -86,6 +87,9 @@ def admission(
     problems += [str(m) for m in compare(cfg.fingerprint, here)]
     for unit in cfg.units:
         problems += driver.admission(unit)
+        drifted = file_drift.differences(unit.files)
+        if drifted:
+            problems.append(file_drift.refusal(drifted))
     if cfg.weights.location == "external":
         if not req.workload.model.path:
             problems.append("the model directory of %s is unknown on this host: download revision %s" % (cfg.weights.model_id, cfg.weights.revision))

@@ -148,8 +148,14 @@ def _checkpoint_at_capture_point(run: CaptureRun) -> tuple[UnitImage, Validation
         with rb.phase("boundary"), progress.waiting("waiting for the engine to reach the %s driver's boundary" % r.driver.name):
             r.driver.await_boundary(run.unit, run.log_path, run.req.ready_timeout_seconds)
     _precheck(run)
+    with rb.phase("record_files"):
+        # What the tree depends on, as it is now: a restore compares it first (a host
+        # library upgraded since is refused before eviction, not inside criu restore).
+        files = r.launcher.record_files(run.unit, skip=[str(run.log_path)])
     with rb.phase("checkpoint"), progress.waiting("checkpointing the process tree") as tick:
         image = r.launcher.checkpoint(r.driver, run.unit, run.images, unit_def=run.unit_def, progress=lambda m: tick(0, m))
+    image = image.model_copy(update={"files": files})
+    rb.details["recorded_files"] = len(files)
     t_resume = time.monotonic()
     r.driver.after_checkpoint(run.unit.root_pid)
     if validation is None:

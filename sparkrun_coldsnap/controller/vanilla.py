@@ -18,10 +18,13 @@ from sparkrun_coldsnap.progress import QUIET, Progress
 
 def start_vanilla(
     req: RestoreRequest, *, log_path: Path, settings: Settings | None = None, progress: Progress = QUIET, on_started: Callable[[int], None] | None = None,
+    because: str | None = None,
 ) -> ServingOutcome:  # fmt: skip
-    """Start the engine the ordinary way (no capsule), wait, validate."""
+    """Start the engine the ordinary way (no capsule, or one refused: *because* says why), wait, validate."""
     settings = settings or settings_mod.current()
     rb = ReceiptBuilder("start", request_sha256=req.digest())
+    if because:
+        rb.details["instead_of_restore"] = because
     w = req.workload
     with settings_mod.using(settings), Attempt(rb) as attempt:
         r = resolve(w, settings)

@@ -75,6 +75,13 @@ class ColdsnapBlock(Strict):
     on_missing: Literal["vanilla", "fail"] = Field(
         "vanilla", description="When the capsule does not exist: start the engine vanilla, or fail."
     )
+    on_incompatible: Literal["vanilla", "fail"] = Field(
+        "vanilla",
+        description="When admission refuses the capsule on this host (a library upgraded since capture, another driver or engine build): start the engine vanilla, or fail. `sparkrun coldsnap restore` always fails.",
+    )
+    recapture: bool = Field(
+        False, description="After a vanilla start caused by a missing or refused capsule, capture the engine again and serve from the new capsule, so the next start restores."
+    )
     ready_timeout_seconds: float = Field(900.0, gt=0, description="How long a vanilla engine start may take.")
 
 

@@ -132,6 +132,8 @@ class CaptureRequest(_WorkloadRequest):
 class RestoreRequest(_WorkloadRequest):
     operation: Literal["restore"] = "restore"
     on_missing: Literal["vanilla", "fail"] = "vanilla"
+    on_incompatible: Literal["vanilla", "fail"] = Field("vanilla", description="Admission refused: start vanilla, or fail.")
+    recapture: bool = Field(False, description="After a vanilla start instead of a restore, capture again and serve from the new capsule.")
     workload_name: str = Field(description="Name sparkrun tracks the running workload by (its executor's record name).")
     workload_labels: dict[str, str] = Field(default_factory=dict, description="Container labels sparkrun's executor gives its workloads.")
 

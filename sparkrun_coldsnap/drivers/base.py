@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import Field
 
 from sparkrun_coldsnap.host.facts import HostFacts
+from sparkrun_coldsnap.host.file_drift import RecordedFile
 
 if TYPE_CHECKING:
     from sparkrun_coldsnap.documents.settings import Settings
@@ -57,6 +58,9 @@ class UnitImage(Strict):
     tcp_established: bool = False
     image_bytes: int = 0
     criu_version: str | None = None
+    files: tuple[RecordedFile, ...] = Field(
+        (), description="Regular files the tree mapped or held open at capture (host processes), compared by admission before a restore."
+    )
     driver_data: dict[str, Any] = Field(
         default_factory=dict,
         description="What the driver needs to restore the unit; n610: cuda_pids, gpu_uuids (the GPUs the workload used), host_gpu_uuids (every GPU of the capture host), driver_version.",

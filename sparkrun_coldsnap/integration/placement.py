@@ -199,6 +199,8 @@ def restore_request(actx: Any) -> RestoreRequest:
         validation=validation_of(block),
         capsule=capsule_name(actx, block),
         on_missing="fail" if opts.get(OPT_REQUIRE_CAPSULE) else block.on_missing,
+        on_incompatible="fail" if opts.get(OPT_REQUIRE_CAPSULE) else block.on_incompatible,
+        recapture=block.recapture,
         workload_name=workload_name(actx),
         workload_labels=workload_labels(actx),
         ready_timeout_seconds=block.ready_timeout_seconds,

@@ -19,9 +19,9 @@ from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import Receipt, save_failure_receipt, save_receipt
 from sparkrun_coldsnap.documents.recipe_block import ColdsnapBlock
 from sparkrun_coldsnap.documents.request import RestoreRequest
-from sparkrun_coldsnap.errors import ColdsnapError, NotFoundError
+from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, NotFoundError
 from sparkrun_coldsnap.host import paths
-from sparkrun_coldsnap.integration.placement import OPT_PLAN_INTO, OPT_RECEIPT, capsule_name, restore_request, store_for, workload_name
+from sparkrun_coldsnap.integration.placement import OPT_PLAN_INTO, OPT_RECEIPT, capsule_name, capture_request, restore_request, store_for, workload_name
 from sparkrun_coldsnap.integration.recipe_item import block_of, source_of
 from sparkrun_coldsnap.integration.records import local_record_paths, register_local
 from sparkrun_coldsnap.progress import Progress
@@ -100,7 +100,15 @@ class Strategy:
                 else:
                     return Vanilla(req, "no capsule %s in %s yet" % (req.capsule.ref, store.root))
             progress = Progress()
-            prepared = controller.prepare_restore(req, store=store, settings=settings, progress=progress)
+            try:
+                prepared = controller.prepare_restore(req, store=store, settings=settings, progress=progress)
+            except CompatibilityError as err:
+                if req.on_incompatible != "vanilla":
+                    raise
+                # The capsule cannot come back here, but the workload still can: the refusal
+                # came before eviction, so the old workload serves until the vanilla start.
+                _write_failure_receipt(context, err)
+                return Vanilla(req, str(err))
             _say("capsule %s admitted and staged in %.1f s (before the old workload is stopped)" % (req.capsule.ref, prepared.prepare_seconds))
             return prepared
         except ColdsnapError as err:
@@ -118,29 +126,55 @@ class Strategy:
         _, log_path = local_record_paths(name)
         progress = Progress()
         try:
+            if isinstance(state, Vanilla) and state.request.recapture:
+                restored = _recapture(context, state, progress)
+                if restored is not None:
+                    return restored
             if isinstance(state, Vanilla):
                 _say("%s: starting the engine vanilla (capture it with `sparkrun coldsnap capture`)" % state.reason)
                 local = state.request.workload.launch.executor == "local"
                 out = controller.start_vanilla(
-                    state.request, log_path=log_path, settings=settings_mod.current(), progress=progress, on_started=(lambda pid: _register(name, pid)) if local else None
-                )
+                    state.request, log_path=log_path, settings=settings_mod.current(), progress=progress,
+                    on_started=(lambda pid: _register(name, pid)) if local else None, because=state.reason,
+                )  # fmt: skip
                 _write_receipt(context, out.receipt)
                 _say("vanilla start answered after %.1f s" % (out.ttft_seconds or 0))
                 return ActivationResult(rc=0, runtime_info={"coldsnap": "vanilla start (no capsule)", "coldsnap_ttft_s": "%.2f" % (out.ttft_seconds or 0)})
-            out = controller.activate_restore(state, log_path=log_path, progress=progress)
-            if state.request.workload.launch.executor == "local":
-                register_local(name, out.root_pid)  # containers carry sparkrun's name and labels instead
-            _write_receipt(context, out.receipt)
-            _say(
-                "restored %s (%s): first token %.2f s after restore began, reply matches capture"
-                % (state.request.capsule.ref, state.capsule.digest[:19], out.ttft_seconds or 0)
-            )
-            return ActivationResult(
-                rc=0, runtime_info={"coldsnap": "restored %s" % state.capsule.digest[:19], "coldsnap_ttft_s": "%.2f" % (out.ttft_seconds or 0)}
-            )
+            return _activate_restore(context, state, progress)
         except ColdsnapError as err:
             _write_failure_receipt(context, err)
             raise RuntimeError(str(err)) from None
+
+
+def _activate_restore(context: Any, prepared: controller.PreparedRestore, progress: Progress) -> Any:
+    """Restore what preparation staged, register it with sparkrun, say how fast it answered."""
+    from sparkrun.plugins import ActivationResult
+
+    name = workload_name(context)
+    _, log_path = local_record_paths(name)
+    out = controller.activate_restore(prepared, log_path=log_path, progress=progress)
+    if prepared.request.workload.launch.executor == "local":
+        register_local(name, out.root_pid)  # containers carry sparkrun's name and labels instead
+    _write_receipt(context, out.receipt)
+    digest = prepared.capsule.digest[:19]
+    _say("restored %s (%s): first token %.2f s after restore began, reply matches capture" % (prepared.request.capsule.ref, digest, out.ttft_seconds or 0))
+    return ActivationResult(rc=0, runtime_info={"coldsnap": "restored %s" % digest, "coldsnap_ttft_s": "%.2f" % (out.ttft_seconds or 0)})
+
+
+def _recapture(context: Any, state: Vanilla, progress: Progress) -> Any:
+    """``recapture: true``: capture the engine again (the new capsule replaces the tag only once
+    it is published), then serve from it; None when the capture failed (start vanilla instead)."""
+    store = store_for(context)
+    _say("%s: capturing the engine again (recapture: true), then restoring from the new capsule" % state.reason)
+    try:
+        captured = controller.capture(capture_request(context), store=store, settings=settings_mod.current(), progress=progress)
+    except ColdsnapError as err:
+        _write_failure_receipt(context, err)
+        _say("recapture failed (%s): starting the engine vanilla instead" % err)
+        return None
+    _write_receipt(context, captured.receipt)
+    prepared = controller.prepare_restore(restore_request(context), store=store, settings=settings_mod.current(), progress=progress)
+    return _activate_restore(context, prepared, progress)
 
 
 def _register(name: str, pid: int) -> None:
@@ -181,7 +215,11 @@ def describe_plan(req: RestoreRequest, store: CapsuleStore) -> str:
     try:
         cap = open_capsule(store, req.capsule.ref)
         problems, choice = controller.check_admission(cap, req, controller.resolve(req.workload, settings_mod.current()))
-        verdict = "admission would refuse it: %s" % "; ".join(problems) if problems else "admission passes"
+        if problems:
+            instead = "start vanilla%s" % (" and recapture" if req.recapture else "") if req.on_incompatible == "vanilla" else "fail"
+            verdict = "admission would refuse it: %s; then %s (on_incompatible: %s)" % ("; ".join(problems), instead, req.on_incompatible)
+        else:
+            verdict = "admission passes"
         if choice is not None and not problems:
             verdict += "; weights by the %s path%s" % (choice.path, " (%s)" % choice.note if choice.note else "")
         what = "restore capsule %s (%s) from %s; %s" % (req.capsule.ref, cap.digest[:19], store.root, verdict)

@@ -9,13 +9,14 @@ picks the implementation.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 if TYPE_CHECKING:
     from sparkrun_coldsnap.documents.request import LaunchUnit, RestoreRequest, Workload
     from sparkrun_coldsnap.drivers.base import SnapshotDriver, UnitImage
+    from sparkrun_coldsnap.host.file_drift import RecordedFile
     from sparkrun_coldsnap.launch.engine_env import EngineEnv
 
 Progress = Callable[[str], None]
@@ -76,6 +77,11 @@ class Launcher(ABC):
     @abstractmethod
     def start(self, workload: Workload, command: str, env: Mapping[str, str], *, log_path: Path, name: str, labels: Mapping[str, str] | None = None) -> RunningUnit:
         """Start the engine."""
+
+    def record_files(self, unit: RunningUnit, *, skip: Iterable[str] = ()) -> tuple[RecordedFile, ...]:
+        """The host files *unit* depends on, for admission to compare before a restore (none:
+        what a unit runs is pinned otherwise, as a container's image digest pins its files)."""
+        return ()
 
     def room_needed(self, images: Path) -> list[tuple[Path, float, str]]:
         """Where a checkpoint writes, with how many times the tree's memory it needs there."""

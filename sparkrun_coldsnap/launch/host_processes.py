@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sparkrun_coldsnap.host import file_drift
+from sparkrun_coldsnap.host.file_drift import RecordedFile
+from sparkrun_coldsnap.host.process_tree import tree_pids
 from sparkrun_coldsnap.launch.base import Launcher, Progress, RunningUnit
 from sparkrun_coldsnap.launch.local import StartedUnit, start_unit
 
@@ -55,6 +58,9 @@ class HostProcesses(Launcher):
 
     def start(self, workload: Workload, command: str, env: Mapping[str, str], *, log_path: Path, name: str, labels: Mapping[str, str] | None = None) -> RunningUnit:
         return start_unit(command, env=env, log_path=log_path)
+
+    def record_files(self, unit: RunningUnit, *, skip: Iterable[str] = ()) -> tuple[RecordedFile, ...]:
+        return file_drift.record(tree_pids(unit.root_pid), skip=skip)
 
     def checkpoint(self, driver: SnapshotDriver, unit: RunningUnit, images: Path, *, unit_def: LaunchUnit, progress: Progress) -> UnitImage:
         return driver.checkpoint(unit.root_pid, images, unit=unit_def.name, host=unit_def.host, progress=progress)
