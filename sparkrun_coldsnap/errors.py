@@ -55,12 +55,14 @@ class NotFoundError(StoreError):
     """The named capsule, blob or reference is not in the store."""
 
     code = "store.not_found"
+    exit_code = 4
 
 
 class CompatibilityError(ColdsnapError):
     """Admission refused: this host differs from the one that captured."""
 
     code = "admission.refused"
+    exit_code = 3
 
 
 class CaptureError(ColdsnapError):

@@ -29,6 +29,19 @@ def make_model(directory: Path, size: int = 3 << 20) -> Path:
     return directory
 
 
+def synthetic_workload(name: str = "synthetic") -> Workload:
+    """A one-unit CPU workload on this host, as a recipe would make it."""
+    return Workload(
+        recipe=name,
+        engine="vllm",
+        runtime="vllm-distributed",
+        model=ModelRef(id="test/model", revision=REVISION),
+        topology=Topology(hosts=("localhost",), units=(LaunchUnit(name="solo", host="localhost"),)),
+        launch=Launch(executor="local", command="python -m vllm.entrypoints.openai.api_server", port=8000),
+        driver="cpu",
+    )
+
+
 def make_capsule(
     store: CapsuleStore, tmp: Path, name: str = "synthetic", *, tag: str = "latest", pages_mb: int = 6, model_dir: Path | None = None,
     native: NativePayload | None = None,
@@ -43,15 +56,7 @@ def make_capsule(
     store.init()
     layers = pack_unit(images, "solo", store.new_staging_dir("factory-"))
     files = model_files.record(model_dir) if model_dir else ()
-    workload = Workload(
-        recipe=name,
-        engine="vllm",
-        runtime="vllm-distributed",
-        model=ModelRef(id="test/model", revision=REVISION),
-        topology=Topology(hosts=("localhost",), units=(LaunchUnit(name="solo", host="localhost"),)),
-        launch=Launch(executor="local", command="python -m vllm.entrypoints.openai.api_server", port=8000),
-        driver="cpu",
-    )
+    workload = synthetic_workload(name)
     config = CapsuleConfig(
         name=name,
         tag=tag,

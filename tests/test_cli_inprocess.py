@@ -73,3 +73,62 @@ def test_an_unexpected_error_is_one_line_naming_its_traceback_log(tmp_path, monk
     assert line.startswith("Error: boom in the middle (traceback: ")
     log = line.split("(traceback: ", 1)[1].rstrip(")")
     assert log.startswith(str(tmp_path / "home")) and "ValueError: boom in the middle" in open(log).read()
+
+
+# -- request documents (managers other than sparkrun) ----------------------------------------------
+
+
+def restore_document(**changes) -> dict:
+    from helpers import synthetic_workload
+
+    from sparkrun_coldsnap.documents.request import CapsuleName, RestoreRequest, ValidationSpec
+
+    req = RestoreRequest(
+        workload=synthetic_workload(), validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="absent"), on_missing="fail", workload_name="w"
+    )
+    doc = req.model_copy(update={"request_sha256": req.digest()}).model_dump(mode="json")
+    doc.update(changes)
+    return doc
+
+
+def run_document(tmp_path, doc, *args: str):
+    import json
+
+    from sparkrun_coldsnap.api import recapture_request
+    from sparkrun_coldsnap.documents.request import RestoreRequest
+
+    if doc == "capture":  # a capture document handed to restore
+        doc = recapture_request(RestoreRequest.model_validate(dict(restore_document(), request_sha256=None))).model_dump(mode="json")
+    path = tmp_path / "request.json"
+    path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    return invoke("restore", "--request", str(path), "--store", str(tmp_path / "store"), *args)
+
+
+@pytest.mark.parametrize(
+    "doc, expected",
+    [
+        ("{not json", "not JSON (line 1 column 2"),
+        (restore_document(format=9), "format 9 is not a request format this plugin reads (it reads 1)"),
+        ("capture", "this verb runs restore requests"),
+        (restore_document(port=1), "unknown key 'port'"),
+        (restore_document(on_missing="sometimes"), "on_missing"),
+        (restore_document(request_sha256="sha256:" + "0" * 64), "does not match the document's content"),
+    ],
+)
+def test_a_bad_request_document_is_one_line_and_exit_2(tmp_path, doc, expected):
+    result = run_document(tmp_path, doc)
+    assert expected in one_line(result) and result.exit_code == 2
+
+
+def test_a_request_for_a_capsule_that_is_not_there_exits_4_and_starts_nothing(tmp_path):
+    result = run_document(tmp_path, restore_document())
+    assert "capsule absent:latest is not in" in one_line(result) and result.exit_code == 4
+    assert not (tmp_path / "store" / "receipts").exists()
+
+
+def test_a_request_names_its_units(tmp_path):
+    assert "--unit rank-9: the request's units are solo" in one_line(run_document(tmp_path, restore_document(), "--unit", "rank-9"))
+
+
+def test_a_recipe_or_a_request_not_both(tmp_path):
+    assert "give a RECIPE or --request FILE (exactly one)" in one_line(invoke("capture"))

@@ -120,6 +120,9 @@ class _WorkloadRequest(Strict):
     validation: ValidationSpec
     capsule: CapsuleName
     ready_timeout_seconds: float = Field(900.0, gt=0)
+    request_sha256: str | None = Field(
+        None, description="The document's own digest (what --dry-run prints); when present, a run checks the document still matches it. Not part of the digest."
+    )
 
     def digest(self) -> str:
         return request_digest(self)
@@ -141,4 +144,4 @@ class RestoreRequest(_WorkloadRequest):
 def request_digest(request: _WorkloadRequest) -> str:
     """sha256 of the canonical JSON of *request*, secrets redacted (the digest may be published)."""
     redacted = request.model_copy(update={"workload": request.workload.redacted()})
-    return sha256_bytes(canonical_json(redacted.model_dump(mode="json")))
+    return sha256_bytes(canonical_json(redacted.model_dump(mode="json", exclude={"request_sha256"})))

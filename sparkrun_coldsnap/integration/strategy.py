@@ -13,15 +13,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sparkrun_coldsnap import controller
+from sparkrun_coldsnap import api, controller
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import Receipt, save_failure_receipt, save_receipt
 from sparkrun_coldsnap.documents.recipe_block import ColdsnapBlock
 from sparkrun_coldsnap.documents.request import RestoreRequest
-from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, NotFoundError
+from sparkrun_coldsnap.errors import ColdsnapError, NotFoundError
 from sparkrun_coldsnap.host import paths
-from sparkrun_coldsnap.integration.placement import OPT_PLAN_INTO, OPT_RECEIPT, capsule_name, capture_request, restore_request, store_for, workload_name
+from sparkrun_coldsnap.integration.placement import OPT_PLAN_INTO, OPT_RECEIPT, capsule_name, restore_request, store_for, workload_name
 from sparkrun_coldsnap.integration.recipe_item import block_of, source_of
 from sparkrun_coldsnap.integration.records import local_record_paths, register_local
 from sparkrun_coldsnap.progress import Progress
@@ -32,12 +32,6 @@ STRATEGY = "coldsnap"
 @dataclasses.dataclass
 class DryRun:
     text: str
-
-
-@dataclasses.dataclass
-class Vanilla:
-    request: RestoreRequest
-    reason: str
 
 
 def _say(text: str) -> None:
@@ -90,27 +84,19 @@ class Strategy:
                     except NotFoundError as err:
                         if req.on_missing == "fail":
                             raise
-                        return Vanilla(req, "no capsule %s here nor in %s (%s)" % (req.capsule.ref, block.capsule.repository, err))
+                        return api.Plan(req, store, settings, vanilla_because="no capsule %s here nor in %s (%s)" % (req.capsule.ref, block.capsule.repository, err))
                     req = restore_request(context)  # the model directory may exist now
                 elif req.on_missing == "fail":
                     raise NotFoundError(
                         "capsule %s is not in %s and the recipe sets on_missing: fail: run `sparkrun coldsnap capture %s` first"
                         % (req.capsule.ref, store.root, source_of(context.execution.plan.recipe))
                     ) from None
-                else:
-                    return Vanilla(req, "no capsule %s in %s yet" % (req.capsule.ref, store.root))
-            progress = Progress()
-            try:
-                prepared = controller.prepare_restore(req, store=store, settings=settings, progress=progress)
-            except CompatibilityError as err:
-                if req.on_incompatible != "vanilla":
-                    raise
-                # The capsule cannot come back here, but the workload still can: the refusal
-                # came before eviction, so the old workload serves until the vanilla start.
-                _write_failure_receipt(context, err)
-                return Vanilla(req, str(err))
-            _say("capsule %s admitted and staged in %.1f s (before the old workload is stopped)" % (req.capsule.ref, prepared.prepare_seconds))
-            return prepared
+            plan = api.prepare(req, store=store, settings=settings, progress=Progress())
+            if plan.refused is not None:
+                _write_receipt(context, plan.refused)
+            if plan.prepared is not None:
+                _say("capsule %s admitted and staged in %.1f s (before the old workload is stopped)" % (req.capsule.ref, plan.prepared.prepare_seconds))
+            return plan
         except ColdsnapError as err:
             _write_failure_receipt(context, err)
             raise RuntimeError(str(err)) from None
@@ -122,59 +108,28 @@ class Strategy:
             if state.text != "planning only":
                 _say(state.text)
             return ActivationResult(rc=0, runtime_info={"coldsnap": "dry-run"})
+        plan: api.Plan = state
         name = workload_name(context)
         _, log_path = local_record_paths(name)
-        progress = Progress()
+        local = plan.request.workload.launch.executor == "local"
         try:
-            if isinstance(state, Vanilla) and state.request.recapture:
-                restored = _recapture(context, state, progress)
-                if restored is not None:
-                    return restored
-            if isinstance(state, Vanilla):
-                _say("%s: starting the engine vanilla (capture it with `sparkrun coldsnap capture`)" % state.reason)
-                local = state.request.workload.launch.executor == "local"
-                out = controller.start_vanilla(
-                    state.request, log_path=log_path, settings=settings_mod.current(), progress=progress,
-                    on_started=(lambda pid: _register(name, pid)) if local else None, because=state.reason,
-                )  # fmt: skip
-                _write_receipt(context, out.receipt)
-                _say("vanilla start answered after %.1f s" % (out.ttft_seconds or 0))
-                return ActivationResult(rc=0, runtime_info={"coldsnap": "vanilla start (no capsule)", "coldsnap_ttft_s": "%.2f" % (out.ttft_seconds or 0)})
-            return _activate_restore(context, state, progress)
+            done = api.activate(plan, log_path=log_path, on_started=(lambda pid: _register(name, pid)) if local else None, progress=Progress(), on_note=_say)
         except ColdsnapError as err:
             _write_failure_receipt(context, err)
             raise RuntimeError(str(err)) from None
-
-
-def _activate_restore(context: Any, prepared: controller.PreparedRestore, progress: Progress) -> Any:
-    """Restore what preparation staged, register it with sparkrun, say how fast it answered."""
-    from sparkrun.plugins import ActivationResult
-
-    name = workload_name(context)
-    _, log_path = local_record_paths(name)
-    out = controller.activate_restore(prepared, log_path=log_path, progress=progress)
-    if prepared.request.workload.launch.executor == "local":
-        register_local(name, out.root_pid)  # containers carry sparkrun's name and labels instead
-    _write_receipt(context, out.receipt)
-    digest = prepared.capsule.digest[:19]
-    _say("restored %s (%s): first token %.2f s after restore began, reply matches capture" % (prepared.request.capsule.ref, digest, out.ttft_seconds or 0))
-    return ActivationResult(rc=0, runtime_info={"coldsnap": "restored %s" % digest, "coldsnap_ttft_s": "%.2f" % (out.ttft_seconds or 0)})
-
-
-def _recapture(context: Any, state: Vanilla, progress: Progress) -> Any:
-    """``recapture: true``: capture the engine again (the new capsule replaces the tag only once
-    it is published), then serve from it; None when the capture failed (start vanilla instead)."""
-    store = store_for(context)
-    _say("%s: capturing the engine again (recapture: true), then restoring from the new capsule" % state.reason)
-    try:
-        captured = controller.capture(capture_request(context), store=store, settings=settings_mod.current(), progress=progress)
-    except ColdsnapError as err:
-        _write_failure_receipt(context, err)
-        _say("recapture failed (%s): starting the engine vanilla instead" % err)
-        return None
-    _write_receipt(context, captured.receipt)
-    prepared = controller.prepare_restore(restore_request(context), store=store, settings=settings_mod.current(), progress=progress)
-    return _activate_restore(context, prepared, progress)
+        for receipt in done.receipts:
+            _write_receipt(context, receipt)
+        out = done.outcome
+        if local:
+            register_local(name, out.root_pid)  # containers carry sparkrun's name and labels instead
+        _write_receipt(context, out.receipt)
+        ttft = "%.2f" % (out.ttft_seconds or 0)
+        if done.how == "vanilla":
+            _say("vanilla start answered after %.1f s" % (out.ttft_seconds or 0))
+            return ActivationResult(rc=0, runtime_info={"coldsnap": "vanilla start (no capsule)", "coldsnap_ttft_s": ttft})
+        digest = (out.receipt.capsule or "")[:19]
+        _say("restored %s (%s): first token %.2f s after restore began, reply matches capture" % (plan.request.capsule.ref, digest, out.ttft_seconds or 0))
+        return ActivationResult(rc=0, runtime_info={"coldsnap": "restored %s" % digest, "coldsnap_ttft_s": ttft})
 
 
 def _register(name: str, pid: int) -> None:
