@@ -61,6 +61,7 @@ def info() -> dict[str, str]:
         "cgroup_version": str(doc.get("CgroupVersion")),
         "root_dir": str(doc.get("DockerRootDir")),
         "experimental": str(doc.get("ExperimentalBuild")).lower(),
+        "runtimes": ",".join(sorted(doc.get("Runtimes") or {})),
     }
 
 
