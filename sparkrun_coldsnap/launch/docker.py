@@ -216,13 +216,26 @@ def container_dir(container_id: str) -> Path:
 
 
 def checkpoint(unit: ContainerUnit, images: Path) -> None:
-    """``docker checkpoint create`` (the container stops), then move the images and the writable layer out."""
+    """``docker checkpoint create`` (the container stops), then move the images and the writable layer out.
+
+    The compile-cache files the processes map are copied first, while they run (volume_files.py).
+    """
+    from sparkrun_coldsnap.host.process_tree import tree_pids
+    from sparkrun_coldsnap.launch import volume_files
+
+    root = unit.root_pid
+    images.parent.mkdir(parents=True, exist_ok=True)
+    cache_files = images.parent / (images.name + ".volume-files")
+    shutil.rmtree(cache_files, ignore_errors=True)
+    volume_files.save(volume_files.in_use(tree_pids(root)), Path("/proc/%d/root" % root), cache_files)
     out = docker("checkpoint", "create", unit.container_id, CHECKPOINT, check=False, timeout=1800)
     if out.returncode != 0:
         raise ToolError("docker checkpoint of %s failed: %s" % (unit.name, out.tail()))
     source = container_dir(unit.container_id) / "checkpoints" / CHECKPOINT
-    images.parent.mkdir(parents=True, exist_ok=True)
     shutil.move(str(source), str(images))
+    if (cache_files / volume_files.STORED).exists():
+        os.rename(cache_files / volume_files.STORED, images / volume_files.STORED)
+    shutil.rmtree(cache_files, ignore_errors=True)
     write_rootfs_tar(upper_dir(unit.container_id), images / ROOTFS_TAR)
 
 
