@@ -41,6 +41,7 @@ from typing import Any
 from sparkrun_coldsnap.errors import ToolError
 from sparkrun_coldsnap.host.logfile import last_line
 from sparkrun_coldsnap.host.runner import Completed, run
+from sparkrun_coldsnap.launch import gpu_devices
 
 LOG_IN_CONTAINER = "/tmp/sparkrun_serve.log"
 ROOTFS_TAR = "coldsnap-rootfs.tar"
@@ -136,6 +137,8 @@ class ContainerSpec:
     volumes: Mapping[str, str]  # host path -> container path
     shm_size: str = "32g"
     labels: Mapping[str, str] = field(default_factory=dict)
+    #: GPU indices the container gets, as entries of its spec (gpu_container.py says why)
+    gpus: tuple[str, ...] = ()
 
     def create_args(self, name: str, *, auto_remove: bool = False, runtime: str | None = None) -> list[str]:
         """``docker create`` arguments; *auto_remove* as sparkrun's own launches (never for a
@@ -152,16 +155,24 @@ class ContainerSpec:
             args += ["-e", "%s=%s" % (k, v)]
         for host, target in sorted(self.volumes.items()):
             args += ["-v", "%s:%s" % (host, target)]
+        if self.gpus:
+            args += gpu_devices.device_args(self.gpus)
         # The engine is the main process; its output goes where sparkrun logs reads.
         args += [self.image, "bash", "-c", "exec %s > %s 2>&1" % (self.command, LOG_IN_CONTAINER)]
         return args
 
     def to_json(self) -> dict:
-        return {"image": self.image, "command": self.command, "env": dict(self.env), "volumes": dict(self.volumes), "shm_size": self.shm_size}
+        doc = {"image": self.image, "command": self.command, "env": dict(self.env), "volumes": dict(self.volumes), "shm_size": self.shm_size}
+        if self.gpus:
+            doc["gpus"] = list(self.gpus)
+        return doc
 
     @classmethod
     def from_json(cls, doc: dict, *, labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None, volumes: Mapping[str, str] | None = None) -> ContainerSpec:
-        return cls(doc["image"], doc["command"], dict(env if env is not None else doc["env"]), dict(volumes if volumes is not None else doc["volumes"]), doc.get("shm_size", "32g"), dict(labels or {}))
+        return cls(
+            doc["image"], doc["command"], dict(env if env is not None else doc["env"]), dict(volumes if volumes is not None else doc["volumes"]),
+            doc.get("shm_size", "32g"), dict(labels or {}), tuple(doc.get("gpus", ())),
+        )  # fmt: skip
 
 
 @dataclass
