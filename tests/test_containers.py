@@ -209,7 +209,8 @@ def test_a_capsule_of_another_image_is_refused_before_anything_is_created(captur
     try:
         recipe = docker_recipe(tmp_path, store, replace={"container: coldsnap/vllm-cpu:0.32.0": "container: coldsnap-test/other:1"})
         unpacked_before = unpacked_checkpoints()
-        cp = sparkrun("run", str(recipe), "-H", "localhost", "--no-follow", check=False)
+        # `sparkrun run` would start the recipe vanilla instead (on_incompatible: vanilla); restore refuses.
+        cp = sparkrun.coldsnap("restore", str(recipe), "-H", "localhost", check=False)
         assert cp.returncode != 0
         errors = error_lines(cp)
         assert len(errors) == 1 and "image_digest: captured" in errors[0] and imported.stdout.strip() in errors[0], cp.stderr[-2000:]
