@@ -95,7 +95,14 @@ class Attempt:
         if self.running is not None:
             try:
                 self.running.stop(grace=5.0)
+                self.running.reap()
+                # Say where things stand now: whatever the failure said of the tree at the
+                # time, the engine this operation started is no longer running.
+                self.rb.details["workload_state"] = "stopped"
+                if isinstance(err, ColdsnapError):
+                    err.args = ("%s; the engine this %s started has been stopped" % (err.message, self.rb.operation),)
             except Exception as stop_failed:  # noqa: BLE001 - reported beside the first error
+                self.rb.details["workload_state"] = "unknown"
                 err.args = (describe_cleanup_failure(err, stop_failed),)
         for cleanup in self._cleanups:
             cleanup()

@@ -44,6 +44,7 @@ class Validation(Strict):
 class ErrorInfo(Strict):
     code: str
     message: str
+    phase: str | None = Field(None, description="The phase that was running when the operation failed (none: between phases).")
 
 
 class Weights(Strict):
@@ -92,6 +93,7 @@ class ReceiptBuilder:
         self.weights: Weights | None = None
         self.details: dict[str, Any] = {}
         self._phases: list[Phase] = []
+        self.failed_phase: str | None = None
         self._wall0 = time.time()
         self._t0 = time.monotonic()
 
@@ -100,6 +102,10 @@ class ReceiptBuilder:
         t = time.monotonic()
         try:
             yield
+        except BaseException:
+            # Phases nest (a step inside a phase): the innermost one that failed names the failure.
+            self.failed_phase = self.failed_phase or name
+            raise
         finally:
             self._phases.append(Phase(name=name, seconds=round(time.monotonic() - t, 4)))
 
@@ -116,7 +122,7 @@ class ReceiptBuilder:
         info = None
         if error is not None:
             code = error.code if isinstance(error, ColdsnapError) else "internal.error"
-            info = ErrorInfo(code=code, message=str(error) or type(error).__name__)
+            info = ErrorInfo(code=code, message=str(error) or type(error).__name__, phase=self.failed_phase)
         return Receipt(
             operation=self.operation,
             state=state,
