@@ -134,12 +134,21 @@ class CapsuleStore:
         return self.root / "receipts"
 
     def exists(self) -> bool:
+        self.check_directory()
         return (self.root / "oci-layout").is_file() and (self.root / "index.json").is_file()
+
+    def check_directory(self) -> None:
+        """A store path that is (or lies under) a regular file is an input error, not an empty store."""
+        for p in (self.root, *self.root.parents):
+            if p.exists():
+                if not p.is_dir():
+                    where = "" if p == self.root else " (%s is a file)" % p
+                    raise RequestError("capsule store %s is not a directory%s: point --store (or coldsnap.capsule.store) at a directory" % (self.root, where))
+                return
 
     def init(self) -> CapsuleStore:
         """Create the layout if missing; check it if present."""
-        if self.root.exists() and not self.root.is_dir():
-            raise RequestError("capsule store %s is not a directory: point the store elsewhere" % self.root)
+        self.check_directory()
         layout = self.root / "oci-layout"
         if layout.exists():
             try:

@@ -28,6 +28,15 @@ def is_immutable_revision(value: str) -> bool:
     return bool(_REVISION_RE.match(value or ""))
 
 
+def revision_problem(value: object) -> str | None:
+    """Why a recipe's ``model_revision`` cannot bind a capsule to its weights (None: it can)."""
+    if value is None or value == "":
+        return "model_revision is missing: a capsule is bound to exact weights; pin the model's commit hash (model_revision: <40 hex digits>)"
+    if not is_immutable_revision(str(value)):
+        return "model_revision %r is not immutable: a capsule is bound to exact weights, pin the commit hash (40 hex digits)" % str(value)
+    return None
+
+
 def redact_env(env: dict[str, str]) -> dict[str, str]:
     return {k: (sha256_bytes(v.encode()) if _SECRET_NAME_RE.search(k) and not v.startswith("sha256:") else v) for k, v in env.items()}
 
