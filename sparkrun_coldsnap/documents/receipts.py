@@ -142,7 +142,8 @@ class ReceiptBuilder:
 
 
 def write_receipt(receipt: Receipt, path: Path) -> Path:
-    write_bytes(Path(path), (json.dumps(receipt.model_dump(mode="json"), indent=2) + "\n").encode())
+    # Not for other users: a receipt names hosts, paths and the validation exchange.
+    write_bytes(Path(path), (json.dumps(receipt.model_dump(mode="json"), indent=2) + "\n").encode(), mode=0o640)
     return Path(path)
 
 
