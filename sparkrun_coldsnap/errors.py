@@ -51,6 +51,13 @@ class IntegrityError(StoreError):
     code = "store.integrity"
 
 
+class UntrustedStoreError(StoreError):
+    """The store could have been changed by another user: restore (CRIU, as root) will not read it."""
+
+    code = "store.untrusted"
+    exit_code = 2
+
+
 class NotFoundError(StoreError):
     """The named capsule, blob or reference is not in the store."""
 

@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 from sparkrun_coldsnap.capsule import media
 from sparkrun_coldsnap.digests import CHUNK, HashingReader, canonical_json, hex_of, is_digest, sha256_bytes, short
-from sparkrun_coldsnap.errors import IntegrityError, NotFoundError, RequestError, StoreError
+from sparkrun_coldsnap.errors import IntegrityError, NotFoundError, RequestError, StoreError, UntrustedStoreError
 from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.host.atomic import explain_os_error, fsync_dir, owned_prefix, staging_dir, write_bytes
 
@@ -150,6 +150,26 @@ class CapsuleStore:
                     raise RequestError("capsule store %s is not a directory%s: point --store (or coldsnap.capsule.store) at a directory" % (self.root, where))
                 return
 
+    def check_trusted(self) -> None:
+        """Refuse a store another user owns or could write: a restore hands what it reads to
+        CRIU running as root, so whoever can write the store could run code as root."""
+        euid = os.geteuid()
+        for path in (self.root, self.root / "index.json", self.root / "blobs", self.blobs):
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            if st.st_uid != euid:
+                raise UntrustedStoreError(
+                    "capsule store %s: %s is owned by uid %d, not by the user restoring (uid %d): restore only from a store you own (chown -R %d %s)"
+                    % (self.root, path, st.st_uid, euid, euid, self.root)
+                )
+            if st.st_mode & 0o022:
+                raise UntrustedStoreError(
+                    "capsule store %s: %s is writable by %s: restore only from a store no one else can change (chmod go-w %s)"
+                    % (self.root, path, "others" if st.st_mode & 0o002 else "its group", path)
+                )
+
     def init(self) -> CapsuleStore:
         """Create the layout if missing; check it if present."""
         self.check_directory()
@@ -163,7 +183,10 @@ class CapsuleStore:
                 raise StoreError("capsule store %s has OCI layout version %r; only 1.0.0 is supported" % (self.root, doc.get("imageLayoutVersion")))
         else:
             try:
-                self.blobs.mkdir(parents=True, exist_ok=True)
+                # Capsules hold process memory: the store is not for other users to read or change.
+                self.root.mkdir(mode=0o750, parents=True, exist_ok=True)
+                (self.root / "blobs").mkdir(mode=0o750, exist_ok=True)
+                self.blobs.mkdir(mode=0o750, exist_ok=True)
             except OSError as err:
                 raise StoreError(explain_os_error(err, self.root)) from err
             write_bytes(layout, json.dumps(LAYOUT_VERSION).encode())
@@ -294,7 +317,7 @@ class CapsuleStore:
 
     def _write_index(self, manifests: list[dict[str, Any]]) -> None:
         doc = {"schemaVersion": 2, "mediaType": media.OCI_INDEX, "manifests": manifests}
-        write_bytes(self.root / "index.json", (json.dumps(doc, indent=2) + "\n").encode())
+        write_bytes(self.root / "index.json", (json.dumps(doc, indent=2) + "\n").encode(), mode=0o640)
 
     def entries(self) -> list[IndexEntry]:
         if not self.exists():

@@ -70,6 +70,7 @@ def prepare_restore(req: RestoreRequest, *, store: CapsuleStore, settings: Setti
     t = time.monotonic()
     with settings_mod.using(settings), Attempt(rb) as attempt:
         with rb.phase("prepare.open"):
+            store.check_trusted()
             cap = capsule_mod.open_capsule(store, req.capsule.ref)
             rb.capsule = cap.digest
         with rb.phase("prepare.admission"):
