@@ -61,6 +61,7 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, settings: Settings | No
     settings = settings or settings_mod.current()
     rb = ReceiptBuilder("capture", request_sha256=req.digest())
     rb.capsule_ref = req.capsule.ref
+    rb.secrets = req.workload.secret_values()
     w = req.workload
     with settings_mod.using(settings), Attempt(rb) as attempt:
         with rb.phase("admission"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from sparkrun_coldsnap import extensions
+from sparkrun_coldsnap import extensions, secrets
 from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder, Validation
 from sparkrun_coldsnap.documents.request import CaptureRequest, RestoreRequest, Workload
 from sparkrun_coldsnap.documents.settings import Settings
@@ -107,6 +107,8 @@ class Attempt:
         for cleanup in self._cleanups:
             cleanup()
         if isinstance(err, ColdsnapError):
+            if self.rb.secrets:  # the message is printed and logged too
+                err.args = (secrets.scrub(err.message, self.rb.secrets),)
             err.receipt = finish(self.rb, err)
         return False
 

@@ -67,6 +67,7 @@ def prepare_restore(req: RestoreRequest, *, store: CapsuleStore, settings: Setti
     settings = settings or settings_mod.current()
     rb = ReceiptBuilder("restore", request_sha256=req.digest())
     rb.capsule_ref = req.capsule.ref
+    rb.secrets = req.workload.secret_values()
     t = time.monotonic()
     with settings_mod.using(settings), Attempt(rb) as attempt:
         with rb.phase("prepare.open"):

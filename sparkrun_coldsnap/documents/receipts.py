@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from sparkrun_coldsnap import __version__
+from sparkrun_coldsnap import __version__, secrets
 from sparkrun_coldsnap.documents.strict import Strict
 from sparkrun_coldsnap.errors import ColdsnapError
 from sparkrun_coldsnap.host.atomic import write_bytes
@@ -94,6 +94,8 @@ class ReceiptBuilder:
         self.details: dict[str, Any] = {}
         self._phases: list[Phase] = []
         self.failed_phase: str | None = None
+        #: secret values the operation's workload carries: never written into the receipt.
+        self.secrets: tuple[str, ...] = ()
         self._wall0 = time.time()
         self._t0 = time.monotonic()
 
@@ -123,7 +125,7 @@ class ReceiptBuilder:
         if error is not None:
             code = error.code if isinstance(error, ColdsnapError) else "internal.error"
             info = ErrorInfo(code=code, message=str(error) or type(error).__name__, phase=self.failed_phase)
-        return Receipt(
+        receipt = Receipt(
             operation=self.operation,
             state=state,
             request_sha256=self.request_sha256,
@@ -139,6 +141,11 @@ class ReceiptBuilder:
             error=info,
             details=self.details,
         )
+        if not self.secrets:
+            return receipt
+        # An error may quote an engine's log line, which may echo its arguments.
+        text = secrets.scrub(receipt.model_dump_json(), [json.dumps(s)[1:-1] for s in self.secrets])
+        return Receipt.model_validate_json(text)
 
 
 def write_receipt(receipt: Receipt, path: Path) -> Path:
