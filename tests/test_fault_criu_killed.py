@@ -84,3 +84,42 @@ def test_a_failure_after_launch_reports_the_engine_it_started_as_stopped_and_the
     assert receipt is not None and receipt.state == "failed"
     assert receipt.error is not None and receipt.error.phase == "checkpoint" and receipt.error.code == "capture.failed"
     assert receipt.details["workload_state"] == "stopped"
+
+
+def test_a_restore_killed_mid_way_leaves_no_process_and_a_retry_restores(tmp_path, monkeypatch):
+    from sparkrun_coldsnap.documents import settings as settings_mod
+    from sparkrun_coldsnap.errors import RestoreError
+
+    port = free_port()
+    driver = CpuDriver()
+    with io_uring_disabled():
+        unit = start(tmp_path, port)
+        try:
+            assert wait_http("http://127.0.0.1:%d/state" % port).strip() == "1"
+            image = driver.checkpoint(unit.root_pid, tmp_path / "images", unit="solo", host="localhost", progress=lambda m: None)
+        except BaseException:
+            kill_tree(unit.root_pid)
+            raise
+    unit.reap()
+    assert driver.admission(image) == []
+    monkeypatch.setenv("COLDSNAP_CRIU", "sh %s restore" % KILLER)
+    monkeypatch.setenv("CRIU_KILL_AFTER", "0.02")
+    monkeypatch.setenv("COLDSNAP_LAZY_PAGES", "0")  # no daemon: the kill lands in criu restore itself
+    settings_mod.forget()
+    with pytest.raises(RestoreError) as caught:
+        driver.restore(image, tmp_path / "images", log_path=tmp_path / "r1.log", progress=lambda m: None)
+    assert "ended by signal 9 (SIGKILL)" in caught.value.message, caught.value.message
+    import psutil
+
+    live = [p for p in image.pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert live == [], "a partly restored process is left: %s" % live
+    assert not any(Path(f.path).exists() for f in image.shared_files)  # the shared files it put back are gone
+    for name in ("COLDSNAP_CRIU", "CRIU_KILL_AFTER"):
+        monkeypatch.delenv(name)
+    settings_mod.forget()
+    assert driver.admission(image) == []
+    pid = driver.restore(image, tmp_path / "images", log_path=tmp_path / "r2.log", progress=lambda m: None).root_pid
+    try:
+        assert wait_http("http://127.0.0.1:%d/state" % port).strip() == "2"
+    finally:
+        kill_tree(pid)

@@ -244,6 +244,32 @@ def _place_shared(unit: UnitImage, images: Path) -> list[Path]:
     return placed
 
 
+def _stop_partly_restored(pids: tuple[int, ...], *, before: set[int], settle: float = 3.0) -> None:
+    """Kill what a CRIU restore that did not finish (killed, or failed late) brought back.
+
+    Such processes sit on the captured PIDs, which admission found free: one that was there
+    before this restore began (*before*) is someone else's and is left alone. A half-restored
+    task may still fork the rest of its tree after CRIU is gone, so this repeats until none
+    is left running (or *settle* seconds).
+    """
+    deadline = time.monotonic() + settle
+    while True:
+        alive = []
+        for pid in pids:
+            if pid in before:
+                continue
+            try:
+                p = psutil.Process(pid)
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    p.kill()
+                    alive.append(pid)
+            except psutil.Error:
+                continue
+        if not alive or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
+
+
 def lazy_pages_supported(criu: Criu) -> bool:
     """Can this kernel and CRIU restore memory on demand (userfaultfd)?"""
     if not settings.current().lazy_pages:
@@ -304,6 +330,7 @@ def restore(
     pidfile = paths.run_dir() / ("restore-%d-%s.pid" % (os.getpid(), unit.name))
     pidfile.parent.mkdir(parents=True, exist_ok=True)
     pidfile.unlink(missing_ok=True)
+    occupied = {pid for pid in unit.pids if psutil.pid_exists(pid)}
     t_files = time.monotonic()
     placed = _place_shared(unit, images)
     log.debug("placed %d shared files in %.3f s", len(placed), time.monotonic() - t_files)
@@ -328,6 +355,7 @@ def restore(
             _stop_daemon(daemon)
         for p in placed:
             p.unlink(missing_ok=True)
+        _stop_partly_restored(unit.pids, before=occupied)
         raise RestoreError("criu restore of unit %s %s (after %.1f s): %s" % (unit.name, how_it_ended(done.returncode), time.monotonic() - t, log_tail(images / RESTORE_LOG)))
     if daemon is not None and owned_dir is not None and daemon.poll() is not None:
         # A small tree's pages can all be delivered before criu restore has finished writing
