@@ -9,6 +9,7 @@ from sparkrun_coldsnap.capsule import gc
 from sparkrun_coldsnap.cli.common import emit_json, open_store, store_option
 from sparkrun_coldsnap.digests import short
 from sparkrun_coldsnap.errors import ColdsnapError
+from sparkrun_coldsnap.host import leftovers
 from sparkrun_coldsnap.progress import Progress
 from sparkrun_coldsnap.weights import native_payload
 
@@ -146,6 +147,13 @@ def collect_garbage(store, apply, as_json):
     interrupted operations, partial transfers); --yes frees it."""
     s = open_store(store)
     found = gc.collect(s, apply=apply)
+    if apply:
+        # Also what a capture killed outright left on the host: its engine, io_uring switched off.
+        recovered = leftovers.recover()
+        for what in recovered.stopped:
+            click.echo("stopped %s" % what, err=as_json)
+        if recovered.io_uring is not None:
+            click.echo("put kernel.io_uring_disabled back to %s" % recovered.io_uring, err=as_json)
     if as_json:
         emit_json({"store": str(s.root), "applied": apply, **found.to_json()})
         return

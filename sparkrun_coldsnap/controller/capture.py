@@ -22,7 +22,7 @@ from sparkrun_coldsnap.documents.settings import Settings
 from sparkrun_coldsnap.drivers.base import UnitImage
 from sparkrun_coldsnap.engines.base import Endpoint
 from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, RequestError, ValidationError
-from sparkrun_coldsnap.host import disk_room, paths
+from sparkrun_coldsnap.host import disk_room, leftovers, paths
 from sparkrun_coldsnap.host.facts import host_facts
 from sparkrun_coldsnap.host.iouring import io_uring_disabled
 from sparkrun_coldsnap.host.ports import port_holder
@@ -65,6 +65,10 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, settings: Settings | No
     w = req.workload
     with settings_mod.using(settings), Attempt(rb) as attempt:
         with rb.phase("admission"):
+            # What a capture killed outright left (its engine on the port, io_uring off) is undone first.
+            recovered = leftovers.recover()
+            if recovered.stopped:
+                rb.details["recovered"] = list(recovered.stopped)
             r = resolve(w, settings)
             support = r.driver.support(host_facts())
             if not support.ok:
@@ -101,6 +105,8 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, settings: Settings | No
             with rb.phase("launch"):
                 t0 = time.monotonic()
                 unit = attempt.running = r.launcher.start(w, command, env, log_path=log_path, name="coldsnap-capture-%s" % req.capsule.name)
+            leftovers.adopt(unit.root_pid, "the engine of a capture of %s" % req.capsule.ref)
+            stack.callback(leftovers.release, unit.root_pid)
             run = CaptureRun(
                 req, r, settings, rb, progress, unit_def, log_path, staging / "units" / unit_def.name,
                 r.adapter.endpoint(w.launch.command, w.model.id, w.launch.port), unit, t0, native_wanted,
