@@ -26,6 +26,7 @@ from sparkrun_coldsnap.capsule import media
 from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor
 from sparkrun_coldsnap.digests import short
 from sparkrun_coldsnap.errors import IntegrityError, StoreError
+from sparkrun_coldsnap.host.atomic import explain_os_error
 from sparkrun_coldsnap.host.sparse import write_sparse
 
 SAMPLE = 4 << 20
@@ -128,7 +129,8 @@ def pack_unit(images: Path, unit: str, out_dir: Path, *, tick: Tick | None = Non
                 raw.flush()
                 os.fsync(raw.fileno())
         except OSError as err:
-            raise StoreError("cannot write layer %s: %s" % (out, err.strerror or err)) from err
+            out.unlink(missing_ok=True)  # a half-written layer is nothing anyone can use
+            raise StoreError(explain_os_error(err, out)) from err
         layers.append(
             PackedLayer(
                 path=out,
