@@ -44,7 +44,7 @@ class Validation(Strict):
 class ErrorInfo(Strict):
     code: str
     message: str
-    phase: str | None = Field(None, description="The phase that was running when the operation failed (none: between phases).")
+    phase: str | None = Field(None, description="The phase that was running when the operation failed, else the last one that ran (its result was refused).")
 
 
 class Weights(Strict):
@@ -124,7 +124,8 @@ class ReceiptBuilder:
         info = None
         if error is not None:
             code = error.code if isinstance(error, ColdsnapError) else "internal.error"
-            info = ErrorInfo(code=code, message=str(error) or type(error).__name__, phase=self.failed_phase)
+            phase = self.failed_phase or (self._phases[-1].name if self._phases else None)
+            info = ErrorInfo(code=code, message=str(error) or type(error).__name__, phase=phase)
         receipt = Receipt(
             operation=self.operation,
             state=state,
