@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -83,8 +84,19 @@ def _in_use(directory: Path) -> bool:
     return False
 
 
+# A directory whose name carries no PID (made before names carried one) is garbage only once it
+# has not changed for this long: its owner may be waiting at a barrier between prepare and activate.
+UNOWNED_AGE_SECONDS = 3600.0
+
+
 def _stale(directory: Path) -> bool:
     pid = owner_pid(directory.name)
+    if pid is None:
+        try:
+            if time.time() - directory.stat().st_mtime < UNOWNED_AGE_SECONDS:
+                return False
+        except OSError:
+            return False
     if pid is not None and pid != os.getpid() and psutil.pid_exists(pid):
         try:
             if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
