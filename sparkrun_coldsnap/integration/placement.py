@@ -15,6 +15,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError as PydanticValidationError
+
 from sparkrun_coldsnap import extensions
 from sparkrun_coldsnap.capsule.store import CapsuleStore, choose_store
 from sparkrun_coldsnap.documents.recipe_block import ColdsnapBlock
@@ -29,6 +31,7 @@ from sparkrun_coldsnap.documents.request import (
     ValidationSpec,
     Workload,
 )
+from sparkrun_coldsnap.documents.strict import one_line
 from sparkrun_coldsnap.errors import RequestError
 from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.integration.recipe_item import block_of, source_of
@@ -80,6 +83,14 @@ def executor_name(actx: Any) -> str:
 
 
 def workload_of(actx: Any, block: ColdsnapBlock) -> Workload:
+    """The workload sparkrun placed; a recipe value the request cannot hold is a one-line RequestError."""
+    try:
+        return _workload_of(actx, block)
+    except PydanticValidationError as err:
+        raise RequestError(one_line(err, prefix=source_of(actx.execution.plan.recipe)) + "; fix the recipe") from None
+
+
+def _workload_of(actx: Any, block: ColdsnapBlock) -> Workload:
     plan = actx.execution.plan
     recipe = plan.recipe
     reg = extensions.registry()
