@@ -111,7 +111,11 @@ def start_from_checkpoint(unit: d.ContainerUnit, name: str) -> d.ContainerUnit:
     steps = unit.steps
     t = time.monotonic()
     if unit.name != name:
-        _take_name(unit, name)
+        try:
+            _take_name(unit, name)
+        except BaseException:
+            unit.remove()  # the prepared container, its lazy-pages daemon and its images
+            raise
     t = _step(steps, "rename", t)
     try:
         out = d.docker("start", "--checkpoint", d.CHECKPOINT, unit.container_id, check=False, timeout=1800)

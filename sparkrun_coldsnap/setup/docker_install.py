@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.drivers import criu_tool
 from sparkrun_coldsnap.errors import ToolError
@@ -121,10 +123,17 @@ def daemon_pid() -> int | None:
     """The running dockerd's PID, from the file it writes."""
     try:
         pid = int(DOCKERD_PIDFILE.read_text().strip())
-        os.kill(pid, 0)
-        return pid
-    except (OSError, ValueError):
+        # A killed dockerd stays a zombie until its parent (often init) reaps it; it is gone all the same.
+        return pid if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE else None
+    except (OSError, ValueError, psutil.Error):
         return None
+
+
+def _clear_stale_pidfile() -> None:
+    """dockerd refuses to start while its pid file names a /proc entry, a zombie's included:
+    a dockerd that was killed leaves one behind."""
+    if DOCKERD_PIDFILE.exists() and daemon_pid() is None:
+        DOCKERD_PIDFILE.unlink(missing_ok=True)
 
 
 def reload_daemon(log) -> None:
@@ -156,6 +165,7 @@ def start_daemon(log, *, restart: bool) -> None:
             if not daemon_running() and daemon_pid() is None:
                 break
             time.sleep(0.1)
+    _clear_stale_pidfile()
     log("starting dockerd")
     logfile = open(paths.run_dir() / "dockerd.log", "ab")
     subprocess.Popen(["dockerd"], stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
