@@ -37,6 +37,8 @@ from sparkrun_coldsnap.launch import lazy_runtime
 IMAGE = "coldsnap/vllm-cpu:0.32.0"
 DAEMON_JSON = Path("/etc/docker/daemon.json")
 DOCKERD_PIDFILE = Path("/var/run/docker.pid")
+#: Where dockerd records the containerd it started.
+CONTAINERD_PIDFILE = Path("/var/run/docker/containerd/containerd.pid")
 CRIU_WRAPPER = Path("/usr/local/sbin/criu")
 ROOTFS_PACKAGES = ("python3", "python3-dev", "libnuma1", "g++", "procps", "ca-certificates")
 
@@ -119,21 +121,28 @@ def runc_options(log) -> None:
         log("added %s to %s" % (", ".join(added), conf))
 
 
-def daemon_pid() -> int | None:
-    """The running dockerd's PID, from the file it writes."""
+def _live_pid(pidfile: Path) -> int | None:
+    """The PID *pidfile* names, if that process runs."""
     try:
-        pid = int(DOCKERD_PIDFILE.read_text().strip())
-        # A killed dockerd stays a zombie until its parent (often init) reaps it; it is gone all the same.
+        pid = int(pidfile.read_text().strip())
+        # A killed daemon stays a zombie until its parent (often init) reaps it; it is gone all the same.
         return pid if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE else None
     except (OSError, ValueError, psutil.Error):
         return None
 
 
-def _clear_stale_pidfile() -> None:
-    """dockerd refuses to start while its pid file names a /proc entry, a zombie's included:
-    a dockerd that was killed leaves one behind."""
-    if DOCKERD_PIDFILE.exists() and daemon_pid() is None:
-        DOCKERD_PIDFILE.unlink(missing_ok=True)
+def daemon_pid() -> int | None:
+    """The running dockerd's PID, from the file it writes."""
+    return _live_pid(DOCKERD_PIDFILE)
+
+
+def _clear_stale_pidfiles() -> None:
+    """A starting dockerd refuses to run while its pid file names a /proc entry, and waits for
+    (instead of starting) the containerd its file names: a killed dockerd leaves both behind,
+    naming zombies that init has not reaped yet."""
+    for pidfile in (DOCKERD_PIDFILE, CONTAINERD_PIDFILE):
+        if pidfile.exists() and _live_pid(pidfile) is None:
+            pidfile.unlink(missing_ok=True)
 
 
 def reload_daemon(log) -> None:
@@ -165,7 +174,7 @@ def start_daemon(log, *, restart: bool) -> None:
             if not daemon_running() and daemon_pid() is None:
                 break
             time.sleep(0.1)
-    _clear_stale_pidfile()
+    _clear_stale_pidfiles()
     log("starting dockerd")
     logfile = open(paths.run_dir() / "dockerd.log", "ab")
     subprocess.Popen(["dockerd"], stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
