@@ -193,6 +193,10 @@ def _give_up(unit: d.ContainerUnit, reason: str) -> None:
     where = "; CRIU's log: %s (%s)" % (keep, log_tail(keep)) if keep.exists() else ""
     gone = not d.daemon_running() or any(s in reason for s in DAEMON_GONE)
     back = _wait_for_daemon() if gone else True
+    if gone and back and images is not None:
+        # The copies are found through the running containerd's temporary directory: with
+        # the daemon gone there was none to look in before it came back.
+        _drop_unpacked(images)
     unit.remove()  # docker rm -f, and the images
     if not back:
         raise RestoreError(
