@@ -8,7 +8,8 @@ kinder than the real one:
 * three processes, as the real server: this one serves HTTP (SGLang's tokenizer
   manager), a scheduler holds the weights and the memory, a detokenizer turns the
   scheduler's tokens into text; when the scheduler or the detokenizer dies the
-  server exits, as the real one does;
+  server exits, as the real one does; with ``FAKE_CUDA_DIR`` set the scheduler holds a
+  FAKE CUDA context (tests/fakes/fake_cuda), so the GPU drivers' steps run against it;
 * its arguments are parsed strictly: a flag SGLang does not have stops it at start
   (the ``--fake-*`` ones are the fake's own);
 * ``GET /health``: empty body; 503 while starting; then, as the real one, it generates
@@ -50,6 +51,7 @@ prompt, so a restore that brought back the wrong weights answers differently.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import multiprocessing as mp
@@ -80,11 +82,22 @@ def die(why: str) -> None:
     os._exit(1)
 
 
+def gpu_context():
+    """The scheduler's CUDA context: a FAKE one (tests/fakes/fake_cuda) when ``FAKE_CUDA_DIR`` is
+    set, so the GPU drivers' steps (lock, checkpoint, restore, unlock) act on it; none otherwise."""
+    if not os.environ.get("FAKE_CUDA_DIR"):
+        return contextlib.nullcontext
+    import fake_cuda_process
+
+    return fake_cuda_process.attach().kernel
+
+
 def scheduler(requests, tokens, model_path: str, cpu_backup: bool, reload_seconds: float, token_seconds: float) -> None:
     """Holds the weights and the device memory; answers each request with token ids (or a status)."""
     digest = weights_digest(model_path)
     if digest is None:
         die("no *.safetensors under %s" % model_path)
+    kernel = gpu_context()
     released: set[str] = set()
     loaded = True  # False once the weights' memory was released without a CPU backup
     while True:
@@ -92,36 +105,37 @@ def scheduler(requests, tokens, model_path: str, cpu_backup: bool, reload_second
             op, arg = requests.recv()
         except EOFError:
             return
-        if op == "generate":
-            prompt, n = arg
-            if released & {"weights", "kv_cache"}:
-                die("CUDA error: an illegal memory access was encountered (generation with %s released)" % sorted(released))
-            time.sleep(token_seconds * n)
-            seed = hashlib.sha256((digest + prompt).encode()).digest()
-            ids = [seed[i % len(seed)] % len(WORDS) if loaded else -1 for i in range(n)]
-            tokens.send(("tokens", ids))
-        elif op == "release":
-            released |= set(arg)
-            if "weights" in arg and not cpu_backup:
-                loaded = False
-            tokens.send(("status", None))
-        elif op == "resume":
-            if not set(arg) <= released:
-                die("KeyError %s" % sorted(set(arg) - released))
-            released -= set(arg)
-            tokens.send(("status", None))
-        elif op == "update":
-            if "weights" in released:
-                die("CUDA error: an illegal memory access was encountered (weights loaded into released memory)")
-            new = weights_digest(arg) if Path(arg).is_dir() else None
-            if new is None:
-                tokens.send(("status", {"success": False, "message": "Failed to get weights iterator: %s not found." % arg, "num_paused_requests": 0}))
-                continue
-            time.sleep(reload_seconds)
-            digest, loaded = new, True
-            tokens.send(("status", {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}))
-        elif op == "released":
-            tokens.send(("status", sorted(released)))
+        with kernel():  # every scheduler step is GPU work
+            if op == "generate":
+                prompt, n = arg
+                if released & {"weights", "kv_cache"}:
+                    die("CUDA error: an illegal memory access was encountered (generation with %s released)" % sorted(released))
+                time.sleep(token_seconds * n)
+                seed = hashlib.sha256((digest + prompt).encode()).digest()
+                ids = [seed[i % len(seed)] % len(WORDS) if loaded else -1 for i in range(n)]
+                tokens.send(("tokens", ids))
+            elif op == "release":
+                released |= set(arg)
+                if "weights" in arg and not cpu_backup:
+                    loaded = False
+                tokens.send(("status", None))
+            elif op == "resume":
+                if not set(arg) <= released:
+                    die("KeyError %s" % sorted(set(arg) - released))
+                released -= set(arg)
+                tokens.send(("status", None))
+            elif op == "update":
+                if "weights" in released:
+                    die("CUDA error: an illegal memory access was encountered (weights loaded into released memory)")
+                new = weights_digest(arg) if Path(arg).is_dir() else None
+                if new is None:
+                    tokens.send(("status", {"success": False, "message": "Failed to get weights iterator: %s not found." % arg, "num_paused_requests": 0}))
+                    continue
+                time.sleep(reload_seconds)
+                digest, loaded = new, True
+                tokens.send(("status", {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}))
+            elif op == "released":
+                tokens.send(("status", sorted(released)))
 
 
 def detokenizer(tokens, out) -> None:
