@@ -127,9 +127,21 @@ def test_two_plugins_claiming_one_name_are_an_error():
 
 
 def test_hookspecs_are_typed_and_documented():
-    for name in ("register_engines", "register_drivers"):
+    for name, takes in (("register_engines", "EngineAdapter"), ("register_drivers", "SnapshotDriver")):
         spec = getattr(hookspecs, name)
-        assert spec.__doc__ and "register" in spec.__annotations__
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
-    pm.add_hookspecs(hookspecs)
-    assert set(pm.hook.__dict__) >= {"register_engines", "register_drivers"}
+        assert spec.__doc__ and "Returns nothing." in spec.__doc__
+        assert spec.__annotations__["register"] == "Callable[[%s], None]" % takes
+
+
+def test_an_implementation_that_does_not_match_its_spec_is_refused():
+    """The specs are the project manager's: an implementation asking for a parameter no spec
+    offers is refused when it registers, not when the hook is first called."""
+
+    class Wrong:
+        @hookspecs.hookimpl
+        def register_drivers(self, register, host):
+            raise AssertionError("never called")
+
+    pm = extensions.make_manager(load_entry_points=False)
+    with pytest.raises(pluggy.PluginValidationError, match="host"):
+        pm.register(Wrong(), name="wrong")

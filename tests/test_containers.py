@@ -151,8 +151,12 @@ def test_capture_in_a_container_restore_into_a_new_one(captured, sparkrun):
     # through the runc wrapper, and nothing of the checkpoint kept.
     assert info["HostConfig"]["AutoRemove"] is True and info["HostConfig"]["Runtime"] == lazy_runtime.NAME
     assert docker("logs", name).returncode == 0
-    status = sparkrun("status", "-H", "localhost").stdout
-    assert name in status or "tiny-docker.yaml" in status
+    # sparkrun's status lists it as its own job: the cluster id of its name, one container, up.
+    lines = sparkrun("status", "-H", "localhost").stdout.splitlines()
+    short = name.removeprefix("sparkrun_").removesuffix("_solo")
+    job = [i for i, line in enumerate(lines) if line.startswith("Job: ") and "[%s]" % short in line]
+    assert len(job) == 1 and "(1 container(s))" in lines[job[0]], lines
+    assert lines[job[0] + 1].split()[0] == "solo" and " Up " in lines[job[0] + 1], lines
     logs = sparkrun("logs", str(recipe), "-H", "localhost", "-n", "5", check=False)
     assert logs.returncode == 0, logs.stderr
     time.sleep(1.0)  # the clean-up after the start runs beside the validation

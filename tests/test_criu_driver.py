@@ -4,7 +4,7 @@ Covers what the engine cycle relies on: a process tree dumped and
 restored twice from the same images (saved shared memory and link-remap
 files put back each time), a fresh log per restore, and capture refusing
 io_uring instances and connections to outside peers before anything is
-written.
+written; and a TCP connection between two processes of the tree, dumped and restored.
 """
 
 from __future__ import annotations
@@ -130,13 +130,29 @@ def test_closing_connections_are_waited_out_then_named(tmp_path):
         listener.close()
 
 
-def test_connections_inside_the_tree_are_allowed(tmp_path):
+def test_a_connection_between_processes_of_the_tree_is_captured_and_restored(tmp_path):
+    """Both ends inside the tree: precheck allows it, the dump takes CRIU's established-TCP path,
+    and the restored pair goes on talking over the same connection."""
+    port = free_port()
+    driver = CpuDriver()
     with io_uring_disabled():
-        unit = start(tmp_path, free_port())
+        unit = start(tmp_path, port, "--inside-tcp")
+        try:
+            assert wait_http("http://127.0.0.1:%d/tcp" % port).strip() == "1"
+            assert tree_inspect.established_inside(unit.root_pid)
+            assert driver.precheck(unit.root_pid) == []
+            image = driver.checkpoint(unit.root_pid, tmp_path / "images", unit="solo", host="localhost", progress=lambda m: None)
+        except BaseException:
+            kill_tree(unit.root_pid)
+            raise
+    unit.reap()
+    assert image.tcp_established
+    assert driver.admission(image) == []
+    pid = driver.restore(image, tmp_path / "images", log_path=tmp_path / "restore.log", progress=lambda m: None).root_pid
     try:
-        assert tree_inspect.problems(unit.root_pid) == []
+        assert wait_http("http://127.0.0.1:%d/tcp" % port).strip() == "2"  # the peer answered over the restored connection
     finally:
-        kill_tree(unit.root_pid)
+        kill_tree(pid)
 
 
 def test_template_boundary_dump_resume_and_restore(tmp_path):

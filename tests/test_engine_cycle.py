@@ -101,6 +101,9 @@ def test_sparkrun_run_restores_status_shows_stop_stops(captured, sparkrun, tmp_p
     assert ask() == receipt["validation"]["reply"]
     status = sparkrun("status", "-H", "localhost").stdout
     assert "Up (pid" in status and "tiny.yaml" in status
+    # sparkrun's logs read the restored engine's output: the validation and the request above.
+    logs = sparkrun("logs", str(recipe), "-H", "localhost", "-n", "50").stdout
+    assert logs.count("POST /v1/chat/completions") >= 2, logs[-2000:]
     receipts = sorted((store / "receipts" / "tiny").glob("*-restore.json"))
     r = json.loads(receipts[-1].read_text())
     assert r["state"] == "succeeded" and r["validation"]["passed"] and r["validation"]["ttft_seconds"] > 0

@@ -1,12 +1,16 @@
-"""Faults of the engine and of concurrent operations, through the real API, real CRIU and the
-FAKE SGLang server (tests/fakes/fake_sglang.py: SGLang's HTTP API in one small process tree,
-so these run in seconds and need no engine lock): the engine killed (kill -9) while a capture
+"""Faults of the engine and of concurrent operations, through the real API, real CRIU, the
+FAKE SGLang server (tests/fakes/fake_sglang.py: SGLang's HTTP API in one small process tree)
+and a FAKE GPU host (tests/gpu_fixtures.py): SGLang only runs on GPUs, so these take the n610
+driver's steps, the CUDA checkpoint helper included, against fake CUDA driver bindings, and
+run in seconds. Covered: the engine killed (kill -9) while a capture
 waits for it, a restored workload whose reply differs, a second capture and a second restore
 at the same time. After each: a receipt saying failed (or refused) with its phase and code, no
 process, no staging left, nothing partial visible, and a retry that succeeds."""
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 import threading
 import time
@@ -16,10 +20,12 @@ import psutil
 import pytest
 import requests
 from conftest import hf_home
+from gpu_fixtures import engine_env, fake_gpu_host, fake_gpu_state
 from registry_fixtures import free_port
 
 from sparkrun_coldsnap import api
 from sparkrun_coldsnap.capsule import gc
+from sparkrun_coldsnap.capsule.capsule import open_capsule
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.documents.request import (
     CapsuleName,
@@ -32,7 +38,7 @@ from sparkrun_coldsnap.documents.request import (
     ValidationSpec,
     Workload,
 )
-from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, EngineError, ValidationError
+from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, CompatibilityError, EngineError, RestoreError, ValidationError
 from sparkrun_coldsnap.host.process_tree import kill_tree
 
 FAKE = Path(__file__).parent / "fakes" / "fake_sglang.py"
@@ -44,11 +50,11 @@ def snapshot() -> Path:
 
 def workload(port: int, startup: float = 1.0) -> Workload:
     snap = snapshot()
-    command = "%s %s --model-path %s --port %d --startup-seconds %s" % (sys.executable, FAKE, snap, port, startup)
+    command = "%s %s --model-path %s --port %d --fake-startup-seconds %s" % (sys.executable, FAKE, snap, port, startup)
     return Workload(
         recipe="fault", engine="sglang", runtime="sglang", model=ModelRef(id="coldsnap/tiny-qwen2", revision=snap.name, path=str(snap)),
         topology=Topology(hosts=("localhost",), units=(LaunchUnit(name="solo", host="localhost"),)),
-        launch=Launch(executor="local", command=command, port=port), driver="cpu",
+        launch=Launch(executor="local", command=command, port=port, env=engine_env()), driver="n610",
     )  # fmt: skip
 
 
@@ -86,8 +92,14 @@ def nothing_staged(store: CapsuleStore) -> None:
     assert not store.staging.exists() or [p for p in store.staging.iterdir() if p.name not in ("uploads", "downloads")] == []
 
 
+@pytest.fixture(scope="module", autouse=True)
+def gpu_host(tmp_path_factory):
+    with fake_gpu_host(tmp_path_factory.mktemp("fake-cuda")) as gpus:
+        yield gpus
+
+
 @pytest.fixture(scope="module")
-def captured(tmp_path_factory):
+def captured(tmp_path_factory, gpu_host):
     tmp = tmp_path_factory.mktemp("fault-engine")
     port = free_port()
     store = CapsuleStore(tmp / "store")
@@ -128,6 +140,39 @@ def test_the_engine_killed_while_capture_waits_for_it(tmp_path):
     out = api.capture(capture_request(port), store=store)  # the retry
     assert out.receipt.state == "succeeded"
     wait_no_process(port)
+
+
+def test_the_capture_released_and_the_restore_hydrated_through_the_gpu_steps(captured):
+    store, port, receipt = captured
+    cap = open_capsule(store, "fault:latest")
+    unit = cap.config.units[0]
+    assert cap.config.driver == "n610" and cap.config.weights.location == "external" and len(unit.driver_data["cuda_pids"]) == 1  # the scheduler
+    done = api.restore(restore_request(port), store=store)
+    try:
+        r = done.outcome.receipt
+        assert r.weights is not None and r.weights.path == "recovery" and "hydrate" in [p.name for p in r.phases]
+        assert [fake_gpu_state.read_proc(pid)["state"] for pid in unit.driver_data["cuda_pids"]] == ["running"]
+    finally:
+        kill_tree(done.outcome.root_pid, grace=2.0)
+    wait_no_process(port)
+
+
+def test_a_port_in_use_is_refused_at_capture_and_at_restore(captured, tmp_path):
+    store, port, receipt = captured
+    holder = socket.create_server(("127.0.0.1", port))
+    try:
+        other = CapsuleStore(tmp_path / "other")
+        with pytest.raises(CaptureError, match="port %d is in use by .*pid %d" % (port, os.getpid())) as capture_err:
+            api.capture(capture_request(port, name="taken"), store=other)
+        assert capture_err.value.receipt is not None and capture_err.value.receipt.error.phase == "admission"  # type: ignore[union-attr]
+        with pytest.raises(RestoreError, match="port %d is in use by .*pid %d" % (port, os.getpid())) as restore_err:
+            api.restore(restore_request(port), store=store)
+        assert restore_err.value.receipt is not None and restore_err.value.receipt.state == "failed"
+        assert fake_processes(port) == []  # neither started an engine
+    finally:
+        holder.close()
+    nothing_staged(store)
+    assert not other.root.exists() or other.entries() == []
 
 
 def test_a_reply_that_differs_fails_the_restore_and_leaves_nothing(captured):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from helpers import make_capsule, make_model
+from helpers import make_capsule, make_model, synthetic_workload
 from registry_fixtures import CutProxy, Registry, free_port
 
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
@@ -19,6 +19,7 @@ from sparkrun_coldsnap.capsule.reference import parse
 from sparkrun_coldsnap.capsule.registry import RegistryClient, Transport
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.capsule.transfer import publish, pull, pull_native, pull_weights, remote_capsules
+from sparkrun_coldsnap.documents.request import CapsuleName, ModelRef, RestoreRequest, ValidationSpec
 from sparkrun_coldsnap.errors import IntegrityError, NotFoundError, RegistryError, RequestError, StoreError
 from sparkrun_coldsnap.weights import native_payload
 
@@ -298,8 +299,6 @@ def test_cli_publish_pull_remote_through_sparkrun(sparkrun, registry, tmp_path, 
 
 
 def test_a_pulled_capsule_brings_its_native_payload_when_the_recipe_wants_it(registry, tmp_path, monkeypatch, capsys, use_settings):
-    from types import SimpleNamespace
-
     from sparkrun_coldsnap.documents.recipe_block import parse_block
     from sparkrun_coldsnap.integration.strategy import pull_capsule
 
@@ -310,7 +309,7 @@ def test_a_pulled_capsule_brings_its_native_payload_when_the_recipe_wants_it(reg
     c, ref = client(registry.host, tag="latest")
     publish(local, "synthetic", ref, c, with_native=True, chunk=CHUNK)
     shutil.rmtree(native_payload.directory(record))
-    req = SimpleNamespace(capsule=SimpleNamespace(ref="synthetic:latest", tag="latest"), workload=SimpleNamespace(model=SimpleNamespace(path=str(tmp_path / "m"))))
+    req = restore_request("synthetic", tmp_path / "m")
     repo = "%s/capsules/tiny" % registry.host
 
     recovery_only = parse_block({"weights": "recovery", "capsule": {"repository": repo, "plain_http": True}})
@@ -324,6 +323,13 @@ def test_a_pulled_capsule_brings_its_native_payload_when_the_recipe_wants_it(reg
     c2, ref2 = client(registry.host, "capsules/bare", tag="latest")
     publish(local, "bare", ref2, c2, chunk=CHUNK)
     shutil.rmtree(native_payload.directory(record))
-    req2 = SimpleNamespace(capsule=SimpleNamespace(ref="bare:latest", tag="latest"), workload=req.workload)
+    req2 = restore_request("bare", tmp_path / "m")
     pull_capsule(parse_block({"capsule": {"repository": "%s/capsules/bare" % registry.host, "plain_http": True}}), req2, other)
     assert "native weight payload not fetched: capsule" in capsys.readouterr().err and native_payload.problems(record)
+
+
+def restore_request(name: str, model_dir: Path) -> RestoreRequest:
+    """The request sparkrun's strategy builds for the synthetic capsule *name*, its model in *model_dir*."""
+    w = synthetic_workload(name)
+    w = w.model_copy(update={"model": ModelRef(id=w.model.id, revision=w.model.revision, path=str(model_dir))})
+    return RestoreRequest(workload=w, validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name=name), workload_name="sparkrun_%s_solo" % name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import jsonschema
 import pytest
@@ -25,10 +26,13 @@ def test_receipts_validate_against_their_schema():
     schema = json.loads((SCHEMAS / "receipt.schema.json").read_text())
     rb = ReceiptBuilder("restore", request_sha256="sha256:" + "0" * 64)
     with rb.phase("restore"):
-        pass
+        time.sleep(0.05)
+    time.sleep(0.1)  # time outside every phase: the receipt calls it unaccounted
     ok = rb.finish("succeeded").model_dump(mode="json")
     refused = rb.finish("refused", CompatibilityError("admission refused: kernel_release differs")).model_dump(mode="json")
     for doc in (ok, refused):
         jsonschema.validate(doc, schema)
     assert refused["error"] == {"code": "admission.refused", "message": "admission refused: kernel_release differs", "phase": "restore"}
-    assert ok["unaccounted_seconds"] >= 0 and [p["name"] for p in ok["phases"]] == ["restore"]
+    assert [p["name"] for p in ok["phases"]] == ["restore"] and ok["phases"][0]["seconds"] >= 0.05
+    assert 0.1 <= ok["unaccounted_seconds"] < 1.0
+    assert ok["total_seconds"] == pytest.approx(ok["phases"][0]["seconds"] + ok["unaccounted_seconds"], abs=1e-3)

@@ -12,7 +12,7 @@ from sparkrun_coldsnap.documents.request import CaptureRequest, RestoreRequest, 
 from sparkrun_coldsnap.documents.settings import Settings
 from sparkrun_coldsnap.drivers.base import SnapshotDriver
 from sparkrun_coldsnap.engines.base import Endpoint, EngineAdapter
-from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, describe_cleanup_failure
+from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, RequestError, describe_cleanup_failure
 from sparkrun_coldsnap.launch.base import Launcher, RunningUnit
 from sparkrun_coldsnap.launch.engine_env import EngineEnv, EngineFacts, command_facts
 from sparkrun_coldsnap.launch.units import launcher_for
@@ -42,6 +42,9 @@ def resolve(workload: Workload, settings: Settings) -> Resolved:
     reg = extensions.registry()
     adapter = reg.engine(workload.engine)
     driver = reg.driver(workload.driver)
+    problem = driver.engine_problem(adapter)
+    if problem:
+        raise RequestError(problem)
     launcher = launcher_for(workload.launch.executor)
     engine_env = EngineEnv.named(workload.launch.engine_env) if workload.launch.engine_env else None
     facts: EngineFacts | None

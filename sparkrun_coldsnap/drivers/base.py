@@ -89,6 +89,17 @@ class SnapshotDriver(ABC):
         """The engine is validated and quiesced before the checkpoint (not a template)."""
         return self.boundary == "serving"
 
+    def engine_problem(self, adapter: EngineAdapter) -> str | None:
+        """Why this driver cannot capture *adapter*'s engine at all (None: it can).
+
+        A driver that keeps the weights in the process images captures an engine running on
+        the CPU; an engine with no CPU build never runs there.
+        """
+        if self.weights_in_image and not adapter.cpu_weight_paths:
+            return "%s has no CPU build, and the %s driver captures engines running on the CPU: use a GPU driver (n610 or n580) on a GPU host" % (
+                adapter.name, self.name)  # fmt: skip
+        return None
+
     def launch_command(self, command: str, adapter: EngineAdapter, settings: Settings) -> str:
         """The engine command to start for capture (a template driver places its boundary here)."""
         return command

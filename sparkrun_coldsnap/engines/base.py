@@ -57,6 +57,8 @@ class EngineAdapter(ABC):
     #: distribution names whose installed version is the engine's version.
     distributions: ClassVar[tuple[str, ...]]
     health_path: ClassVar[str] = "/health"
+    #: how long one readiness poll may take (an engine that generates a token to answer needs longer).
+    health_timeout: ClassVar[float] = 2.0
     #: weight paths after restore, on GPUs (on the CPU weights stay in the image).
     gpu_weight_paths: ClassVar[tuple[str, ...]] = ()
     #: weight paths on the CPU (weights stay in the process images there).
@@ -91,7 +93,7 @@ class EngineAdapter(ABC):
         return command, dict(env)
 
     def wait_ready(self, endpoint: Endpoint, *, alive: Callable[[], bool], timeout: float, on_tick: Callable[[float], None] | None = None) -> float:
-        return wait_until_ok(endpoint.base_url + self.health_path, deadline_seconds=timeout, alive=alive, on_tick=on_tick)
+        return wait_until_ok(endpoint.base_url + self.health_path, deadline_seconds=timeout, alive=alive, on_tick=on_tick, request_timeout=self.health_timeout)
 
     def validate(self, endpoint: Endpoint, *, prompt: str, max_tokens: int, timeout: float) -> StreamedReply:
         reply = stream_chat(endpoint.base_url, endpoint.served_model, prompt, max_tokens=max_tokens, timeout=timeout)

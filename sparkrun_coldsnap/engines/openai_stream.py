@@ -87,14 +87,15 @@ def wait_until_ok(
     alive: Callable[[], bool],
     on_tick: Callable[[float], None] | None = None,
     interval: float = 0.05,
+    request_timeout: float = 2.0,
 ) -> float:
-    """Poll *url* until it answers 200; returns seconds waited.
+    """Poll *url* until it answers 200, giving each poll *request_timeout*; returns seconds waited.
 
     Stops early with EngineError when *alive* says the server process died.
     """
     t0 = time.monotonic()
     while True:
-        if http_ok(url, timeout=min(2.0, deadline_seconds)):
+        if http_ok(url, timeout=min(request_timeout, deadline_seconds)):
             return time.monotonic() - t0
         waited = time.monotonic() - t0
         if not alive():

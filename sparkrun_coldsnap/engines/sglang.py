@@ -8,7 +8,7 @@ the model files the capsule recorded (``/update_weights_from_disk``).
 
 Facts of SGLang's HTTP server this relies on (0.5.17): ``/health`` answers 503
 until the server has warmed up, then 200 with an empty body after generating one
-token (so it is polled only while weights are in place); the memory endpoints
+token (so it is polled only while weights are in place, and each poll may take seconds); the memory endpoints
 answer 200 ``null`` and track released tags (resuming one not released is fatal);
 ``/update_weights_from_disk`` answers ``{"success": ..., "message": ...}`` with
 200 or 400, and on success reports the model path as the served name.
@@ -28,6 +28,8 @@ RELEASED = ["weights", "kv_cache"]
 
 class SglangAdapter(EngineAdapter):
     model_flags = ("--model-path", "--model")
+    # /health generates one token before it answers: on a busy or cold GPU that takes seconds.
+    health_timeout = 60.0
     name = "sglang"
     runtimes = ("sglang",)
     distributions = ("sglang",)

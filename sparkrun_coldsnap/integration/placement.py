@@ -50,11 +50,13 @@ def _select_driver(block: ColdsnapBlock, engine: str) -> str:
 
     host = host_facts()
     reasons = []
+    adapter = extensions.registry().engine(engine)
     for d in extensions.registry().drivers_by_preference():
         s = d.support(host)
-        if s.ok:
+        problem = d.engine_problem(adapter) if s.ok else s.reason
+        if not problem:
             return d.name
-        reasons.append("%s: %s" % (d.name, s.reason))
+        reasons.append("%s: %s" % (d.name, problem))
     raise RequestError("no snapshot driver can run on this host (%s): see `sparkrun coldsnap doctor`" % "; ".join(reasons))
 
 

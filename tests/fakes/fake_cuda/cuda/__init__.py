@@ -1,0 +1,1 @@
+"""FAKE ``cuda`` package (tests only): see ``cuda/bindings/driver.py``."""

@@ -1,0 +1,1 @@
+"""FAKE ``cuda.bindings`` (tests only): see ``driver.py``."""

@@ -1,0 +1,129 @@
+"""FAKE CUDA context (tests only): what a CUDA process does that the checkpoint API sees.
+
+A process that calls :func:`attach` behaves, towards the fake driver in
+``cuda/bindings/driver.py``, as a process with a CUDA context does towards the real one.
+Its checkpoint state lives in its own memory, as libcuda's does, so a process restored
+from images is in the state it was dumped in. A thread of the process carries out the
+driver's calls on it under the driver's rules (see the driver's docstring): it holds its
+GPU's device file open, its kernels wait while it is locked or checkpointed, it lets go
+of the device file when checkpointed and opens it again, on the GPU the restore's pairs
+name, when restored; a GPU that is gone leaves it FAILED.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import fake_gpu_state as gpu
+
+
+class FakeCudaContext:
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        every = gpu.gpus()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        mine = every[int(visible.split(",")[0])] if visible else every[0]
+        self.fd: int | None = os.open(mine["device"], os.O_RDWR)
+        self.state = "running"
+        self.gpus = [mine]
+        self.host_gpus = [{"uuid": g["uuid"], "chip": g["chip"]} for g in every]
+        self.busy = 0
+        self.cond = threading.Condition()
+        self.answered: str | None = None
+        self._report()
+        threading.Thread(target=self._answer_driver, daemon=True).start()
+
+    def _report(self) -> None:
+        gpu.write_proc(self.pid, {"state": self.state, "gpus": self.gpus, "host_gpus": self.host_gpus})
+
+    def _answer_driver(self) -> None:
+        while True:
+            req = gpu.read_json(gpu.request_path(self.pid))
+            if req is not None and req["id"] != self.answered:
+                result = self._carry_out(req)
+                self.answered = req["id"]
+                self._report()
+                gpu.write_json(gpu.answer_path(self.pid), {"id": req["id"], "result": result, "state": self.state})
+            time.sleep(0.005)
+
+    def _carry_out(self, req: dict) -> str:
+        op = req["op"]
+        if op == "state":
+            return "CUDA_SUCCESS"
+        if op == "lock" and self.state == "running":
+            with self.cond:
+                self.state = "locked"  # from here on a new kernel waits
+                limit = req["timeout_ms"] / 1000 if req["timeout_ms"] else None
+                deadline = time.monotonic() + limit if limit is not None else None
+                while self.busy:  # the kernel in flight finishes first
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        self.state = "running"
+                        self.cond.notify_all()
+                        return "CUDA_ERROR_TIMEOUT"
+                    self.cond.wait(left)
+            return "CUDA_SUCCESS"
+        if op == "checkpoint" and self.state == "locked":
+            assert self.fd is not None
+            os.close(self.fd)  # device memory now lives in host memory; the handles go
+            self.fd = None
+            self.state = "checkpointed"
+            return "CUDA_SUCCESS"
+        if op == "restore" and self.state == "checkpointed":
+            after = self._remap(req["pairs"])
+            if after is None:
+                return "CUDA_ERROR_INVALID_VALUE"
+            try:
+                self.fd = os.open(after[0]["device"], os.O_RDWR)
+            except OSError:
+                self.state = "failed"  # the GPU is gone: nothing brings this process back
+                return "CUDA_ERROR_UNKNOWN"
+            self.gpus, self.state = after, "locked"
+            return "CUDA_SUCCESS"
+        if op == "unlock" and self.state == "locked":
+            with self.cond:
+                self.state = "running"
+                self.cond.notify_all()
+            return "CUDA_SUCCESS"
+        return "CUDA_ERROR_ILLEGAL_STATE"
+
+    def _remap(self, pairs: list[list[str]]) -> list[dict] | None:
+        """The GPUs after a restore, or None when the pairs break the driver's rules."""
+        here = {g["uuid"]: g for g in gpu.gpus()}
+        if not pairs:
+            return [dict(here[g["uuid"]]) for g in self.gpus] if all(g["uuid"] in here for g in self.gpus) else None
+        mapping = dict((old, new) for old, new in pairs)
+        if len(mapping) != len(pairs) or len(set(mapping.values())) != len(mapping):
+            return None  # an old GPU named twice, or two onto one
+        chips = {g["uuid"]: g["chip"] for g in self.host_gpus}
+        if set(chips) - set(mapping):
+            return None  # every GPU of the capture host must be in the map
+        for old, new in mapping.items():
+            if old not in chips or new not in here or here[new]["chip"] != chips[old]:
+                return None
+        return [dict(here[mapping[g["uuid"]]]) for g in self.gpus]
+
+    @contextmanager
+    def kernel(self, seconds: float = 0.0) -> Iterator[None]:
+        """Work on the GPU: waits while the process is locked or checkpointed, as CUDA calls do."""
+        with self.cond:
+            while self.state != "running":
+                self.cond.wait(0.05)
+            self.busy += 1
+        try:
+            if self.fd is None:
+                raise RuntimeError("CUDA call without a device: the context was not restored")
+            time.sleep(seconds)
+            yield
+        finally:
+            with self.cond:
+                self.busy -= 1
+                self.cond.notify_all()
+
+
+def attach() -> FakeCudaContext:
+    return FakeCudaContext()

@@ -1,0 +1,61 @@
+"""A GPU host made of fakes, for the GPU drivers' steps in CI (tests/fakes/fake_cuda).
+
+The fake GPUs, the fake ``nvidia-smi`` first on PATH, and the fake CUDA driver bindings
+first on PYTHONPATH, where the plugin's CUDA checkpoint helper and the fake engines'
+CUDA contexts find them. One thing is answered in-process: whether ``libcuda.so.1``
+has the checkpoint API, since no libcuda can be loaded on a host without the driver.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from sparkrun_coldsnap.drivers import nvidia
+from sparkrun_coldsnap.host import facts
+
+FAKE_CUDA = Path(__file__).parent / "fakes" / "fake_cuda"
+H200 = "NVIDIA H200"
+
+
+def _load_state_module():
+    spec = importlib.util.spec_from_file_location("fake_gpu_state", FAKE_CUDA / "fake_gpu_state.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+fake_gpu_state = _load_state_module()
+
+
+def engine_env() -> dict[str, str]:
+    """What a workload's processes need to hold fake CUDA contexts."""
+    return {"PYTHONPATH": str(FAKE_CUDA), fake_gpu_state.ENV: str(fake_gpu_state.root())}
+
+
+@contextmanager
+def fake_gpu_host(directory: Path, chips: tuple[str, ...] = (H200, H200)) -> Iterator[list[dict]]:
+    mp = pytest.MonkeyPatch()
+    gpus = fake_gpu_state.make_host(directory, list(chips))
+    bin_dir = fake_gpu_state.install_tools(directory, sys.executable)
+    mp.setenv(fake_gpu_state.ENV, str(directory))
+    mp.setenv("PYTHONPATH", str(FAKE_CUDA))
+    mp.setenv("PATH", "%s:%s" % (bin_dir, os.environ.get("PATH", "")))
+    mp.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    mp.setattr(nvidia, "has_checkpoint_api", lambda: True)
+    facts.gpu_facts.cache_clear()
+    facts.host_facts.cache_clear()
+    try:
+        yield gpus
+    finally:
+        mp.undo()
+        fake_gpu_state.remove_host(directory)
+        facts.gpu_facts.cache_clear()
+        facts.host_facts.cache_clear()

@@ -1,0 +1,153 @@
+"""The n610 driver end to end on a small CUDA-shaped workload: real CRIU, the real helper
+process and its protocol, and the FAKE CUDA driver bindings (tests/fakes/fake_cuda).
+
+The fake stands one level below the helper, where the GPU is: ``cuda_helper.py`` imports
+it as ``cuda.bindings.driver`` and runs as it does on the GPU machine (JSON lines, UUIDs
+written through ``CUuuid``'s address, errors named by ``CUresult``). The workload is
+tests/workloads/server.py with ``--fake-cuda``: a server and a worker, each holding a
+fake context (a device file under /dev, kernels that wait while locked). The driver's
+rules the fake enforces are in its docstring; each test below breaks one of them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+from gpu_fixtures import engine_env, fake_gpu_host, fake_gpu_state
+from registry_fixtures import free_port
+from test_criu_driver import wait_http
+
+from sparkrun_coldsnap.drivers import cuda_checkpoint
+from sparkrun_coldsnap.drivers.n610 import N610Driver
+from sparkrun_coldsnap.errors import CaptureError, RestoreError
+from sparkrun_coldsnap.host.iouring import io_uring_disabled
+from sparkrun_coldsnap.host.process_tree import kill_tree, tree_pids
+from sparkrun_coldsnap.launch.local import start_unit
+
+SERVER = Path(__file__).parent / "workloads" / "server.py"
+
+
+@pytest.fixture
+def gpus(tmp_path, use_settings):
+    """Two fake H200s; the plugin's helper finds the fake bindings first on its PYTHONPATH."""
+    with fake_gpu_host(tmp_path / "fake-cuda") as made:
+        use_settings()
+        yield made
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def record(pid: int) -> dict:
+    return fake_gpu_state.read_proc(pid)
+
+
+def start(tmp_path: Path, port: int):
+    cmd = "%s %s --port %d --fake-cuda" % (sys.executable, SERVER, port)
+    env = {"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "0", **engine_env()}
+    with io_uring_disabled():
+        unit = start_unit(cmd, env=env, log_path=tmp_path / "server.log")
+    deadline = time.monotonic() + 30
+    while len(cuda_checkpoint.cuda_processes(tree_pids(unit.root_pid))) < 2:  # the server and its worker
+        assert unit.alive() and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+        time.sleep(0.05)
+    assert wait_http("http://127.0.0.1:%d/state" % port).strip() == "1"
+    return unit
+
+
+def capture(tmp_path: Path, port: int):
+    unit = start(tmp_path, port)
+    try:
+        image = N610Driver().checkpoint(unit.root_pid, tmp_path / "images", unit="solo", host="localhost", progress=lambda m: None)
+    except BaseException:
+        kill_tree(unit.root_pid)
+        raise
+    unit.reap()
+    return image
+
+
+def restore(tmp_path: Path, image, name: str = "restore.log") -> int:
+    driver = N610Driver()
+    assert driver.admission(image) == []
+    return driver.restore(image, tmp_path / "images", log_path=tmp_path / name, progress=lambda m: None).root_pid
+
+
+def test_a_cuda_tree_is_checkpointed_dumped_and_restored_through_the_helper(tmp_path, gpus):
+    port = free_port()
+    image = capture(tmp_path, port)
+    cuda_pids = image.driver_data["cuda_pids"]
+    assert len(cuda_pids) == 2 and image.driver_data["driver_version"] == 13000
+    assert image.driver_data["gpu_uuids"] == [gpus[0]["uuid"]]  # the one its CUDA_VISIBLE_DEVICES shows
+    assert image.driver_data["host_gpu_uuids"] == [g["uuid"] for g in gpus]  # read back through CUuuid's bytes
+    assert [record(p)["state"] for p in cuda_pids] == ["checkpointed"] * 2
+    pid = restore(tmp_path, image)
+    try:
+        assert [record(p)["state"] for p in cuda_pids] == ["running"] * 2
+        assert sorted(cuda_checkpoint.cuda_processes(tree_pids(pid))) == sorted(cuda_pids)  # device files open again
+        assert wait_http("http://127.0.0.1:%d/state" % port).strip() == "2"  # kernels run: unlocked, on the GPU
+    finally:
+        kill_tree(pid)
+
+
+def test_restoring_onto_the_other_gpu_maps_every_gpu_of_the_capture_host(tmp_path, gpus, use_settings):
+    port = free_port()
+    image = capture(tmp_path, port)
+    use_settings(cuda_visible_devices="1")
+    pid = restore(tmp_path, image)
+    try:
+        assert {record(p)["gpus"][0]["uuid"] for p in image.driver_data["cuda_pids"]} == {gpus[1]["uuid"]}
+        assert wait_http("http://127.0.0.1:%d/state" % port).strip() == "2"
+    finally:
+        kill_tree(pid)
+
+
+def test_a_gpu_of_another_chip_is_refused_and_the_restored_tree_stopped(tmp_path, gpus, use_settings):
+    port = free_port()
+    image = capture(tmp_path, port)
+    listing = fake_gpu_state.root() / "gpus.json"
+    other = json.loads(listing.read_text())
+    other[1]["chip"] = "NVIDIA H100"
+    listing.write_text(json.dumps(other))
+    use_settings(cuda_visible_devices="1")
+    with pytest.raises(RestoreError, match=r"CUDA restore of process \d+ .*failed \(CUDA_ERROR_INVALID_VALUE, state checkpointed\)"):
+        restore(tmp_path, image)
+    assert not [p for p in image.pids if alive(p)]  # the half-restored tree was stopped
+
+
+def test_a_gpu_gone_from_the_bus_fails_the_process_and_the_restore(tmp_path, gpus):
+    port = free_port()
+    image = capture(tmp_path, port)
+    Path(gpus[0]["device"]).unlink()
+    with pytest.raises(RestoreError, match=r"CUDA restore of process \d+ .*failed \(CUDA_ERROR_UNKNOWN, state failed\)"):
+        restore(tmp_path, image)
+
+
+def test_a_lock_that_times_out_behind_a_long_kernel_leaves_the_workload_running(tmp_path, gpus):
+    port = free_port()
+    unit = start(tmp_path, port)
+    api = cuda_checkpoint.HelperProcess()
+    try:
+        pids = cuda_checkpoint.cuda_processes(tree_pids(unit.root_pid))
+        # One request each, given time: the server answers one at a time, and a retried request is queued behind.
+        slow = threading.Thread(target=requests.get, args=("http://127.0.0.1:%d/slow" % port,), kwargs={"timeout": 30})
+        slow.start()
+        time.sleep(0.5)  # the server is inside its 3 s kernel
+        with pytest.raises(CaptureError, match=r"cannot lock CUDA process %d .*within 300 ms \(CUDA_ERROR_TIMEOUT\).*left running" % unit.root_pid):
+            cuda_checkpoint.checkpoint_all(api, [unit.root_pid, *[p for p in pids if p != unit.root_pid]], timeout_ms=300)
+        assert [api.state(p) for p in pids] == ["running", "running"]
+        slow.join()
+        assert requests.get("http://127.0.0.1:%d/state" % port, timeout=30).text.strip() == "2"
+    finally:
+        api.close()
+        kill_tree(unit.root_pid)
