@@ -22,7 +22,7 @@ from sparkrun_coldsnap.documents.request import RestoreRequest
 from sparkrun_coldsnap.documents.settings import Settings
 from sparkrun_coldsnap.errors import CompatibilityError, RestoreError, ValidationError
 from sparkrun_coldsnap.host import paths
-from sparkrun_coldsnap.host.ports import port_holder
+from sparkrun_coldsnap.host.ports import port_holder_settled
 from sparkrun_coldsnap.launch.base import StagedUnit
 from sparkrun_coldsnap.progress import QUIET, Progress
 from sparkrun_coldsnap.weights import page_cache, weight_paths
@@ -100,7 +100,7 @@ def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Pro
     w = req.workload
     try:
         with settings_mod.using(prepared.settings), Attempt(rb) as attempt:
-            holder = port_holder(w.launch.port)
+            holder = port_holder_settled(w.launch.port)
             if holder:
                 raise RestoreError("port %d is in use by %s: stop that workload before restoring" % (w.launch.port, holder))
             t0 = time.monotonic()

@@ -80,6 +80,7 @@ def dump(
     pids = tuple(tree_pids(root_pid))
     shared = shared_memory_files(root_pid)
     tcp = tree_inspect.established_inside(root_pid)
+    listening = tree_inspect.listening_ports(root_pid)
     resource = _output_resource(root_pid)
     dirs = _remap_dirs(shared)
     before = _listing(dirs)
@@ -103,6 +104,7 @@ def dump(
         log_resource=resource,
         shared_files=tuple(saved),
         tcp_established=tcp,
+        listening_ports=listening,
         image_bytes=size,
         criu_version=criu.version,
     )

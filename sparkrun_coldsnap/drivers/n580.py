@@ -106,7 +106,7 @@ class N580Driver(CriuDriver):
     def admission(self, unit: UnitImage) -> list[str]:
         return criu_tree.restore_problems(unit)
 
-    def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None, warm: Any = None) -> RestoredUnit:
+    def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None, warm: Any = None, port: int | None = None) -> RestoredUnit:
         pid, handed = criu_tree.restore(Criu.locate(), unit, images, log_path=log_path, progress=progress, lazy=False)
         self.after_checkpoint(pid)
         return RestoredUnit(pid, handed)

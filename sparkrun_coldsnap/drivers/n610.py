@@ -96,7 +96,7 @@ class N610Driver(CriuDriver):
             api.kill()
         raise ToolError("the CUDA checkpoint helper keeps getting a PID the capsule needs: retry the restore")
 
-    def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None, warm: Any = None) -> RestoredUnit:
+    def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None, warm: Any = None, port: int | None = None) -> RestoredUnit:
         # The helper sees every GPU (the driver checks the captured UUIDs against the caller's);
         # this side's CUDA_VISIBLE_DEVICES picks the GPUs the workload comes back on. Without a
         # warmed one, it starts now and initializes CUDA while CRIU restores the tree.

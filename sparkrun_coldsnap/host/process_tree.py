@@ -127,9 +127,13 @@ def _not_zombie(p: psutil.Process) -> bool:
 
 
 def _shared_files(root_pid: int) -> list[str]:
+    """The tree's shared-memory files, when they are the host's (a tree restored into a
+    mount namespace of its own has a /dev/shm of its own, gone with its last process)."""
     try:
+        if os.readlink("/proc/%d/ns/mnt" % root_pid) != os.readlink("/proc/self/ns/mnt"):
+            return []
         return shared_memory_files(root_pid)
-    except psutil.Error:
+    except (psutil.Error, OSError):
         return []
 
 

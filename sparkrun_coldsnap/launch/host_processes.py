@@ -29,11 +29,12 @@ class StagedTree:
     images: Path
     staging: Path
     warm: Any = None
+    port: int | None = None
     _handed_over: bool = False
 
     def activate(self, name: str, *, log_path: Path, progress: Progress) -> RunningUnit:
         warm, self.warm = self.warm, None
-        restored = self.driver.restore(self.image, self.images, log_path=log_path, progress=progress, owned_dir=self.staging, warm=warm)
+        restored = self.driver.restore(self.image, self.images, log_path=log_path, progress=progress, owned_dir=self.staging, warm=warm, port=self.port)
         # A driver still reading the images (memory on demand) removes them itself when done.
         self._handed_over = restored.images_handed_over
         return StartedUnit(restored.root_pid, None, log_path)
@@ -66,4 +67,4 @@ class HostProcesses(Launcher):
         return driver.checkpoint(unit.root_pid, images, unit=unit_def.name, host=unit_def.host, progress=progress)
 
     def stage(self, driver: SnapshotDriver, image: UnitImage, images: Path, *, staging: Path, request: RestoreRequest) -> StagedTree:
-        return StagedTree(driver, image, images, staging, warm=driver.warm_up(image))
+        return StagedTree(driver, image, images, staging, warm=driver.warm_up(image), port=request.workload.launch.port)
