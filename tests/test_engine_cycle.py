@@ -34,9 +34,9 @@ def recipe_with_store(tmp_path: Path, store: Path, extra: str = "", name: str = 
     return write_recipe(tmp_path, coldsnap=block, name=name)
 
 
-def ask() -> str:
+def ask(port: int = PORT) -> str:
     body = {"model": "coldsnap/tiny-qwen2", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16, "temperature": 0, "seed": 0}
-    r = requests.post("http://127.0.0.1:%d/v1/chat/completions" % PORT, json=body, timeout=60)
+    r = requests.post("http://127.0.0.1:%d/v1/chat/completions" % port, json=body, timeout=60)
     r.raise_for_status()
     return r.json()["choices"][0]["message"]["content"]
 
@@ -113,6 +113,50 @@ def test_sparkrun_run_restores_status_shows_stop_stops(captured, sparkrun, tmp_p
     assert ask() == receipt["validation"]["reply"]
     sparkrun("stop", str(recipe), "-H", "localhost")
     wait_gone()
+
+
+def test_a_second_run_replaces_the_first_which_serves_until_the_new_one_is_staged(captured, sparkrun):
+    store, recipe, receipt = captured
+    sparkrun("run", str(recipe), "-H", "localhost", "--no-follow")
+    try:
+        old = {p.pid for p in engine_processes()}
+        assert old and ask() == receipt["validation"]["reply"]
+        # The same recipe again: its capsule holds the PIDs and /dev/shm names the running
+        # workload holds too; restored into namespaces of its own it needs none of them free.
+        run = sparkrun.popen("run", str(recipe), "-H", "localhost", "--no-follow")
+        assert run.stdout is not None
+        lines, alive_when_staged = [], None
+        for line in run.stdout:
+            lines.append(line)
+            if "admitted and staged" in line and alive_when_staged is None:
+                alive_when_staged = {p for p in old if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE}
+        assert run.wait(timeout=600) == 0, "".join(lines)[-3000:] + subprocess.run(["ps", "-eo", "pid,ppid,pgid,stat,etime,cmd"], capture_output=True, text=True).stdout
+        assert alive_when_staged == old, "the old workload stopped before the new one was staged:\n" + "".join(lines)[-3000:]
+        assert "restored tiny:latest" in "".join(lines)
+        new = {p.pid for p in engine_processes()}
+        assert new and not (new & old)
+        assert ask() == receipt["validation"]["reply"]
+        assert sparkrun("status", "-H", "localhost").stdout.count("Up (pid") == 1
+    finally:
+        sparkrun("stop", str(recipe), "-H", "localhost")
+        wait_gone()
+
+
+def test_one_capsule_restores_twice_at_once_on_two_ports(captured, sparkrun, tmp_path):
+    store, recipe, receipt = captured
+    # The same recipe under another file name (another sparkrun workload) serving on 8001.
+    other = write_recipe(tmp_path, coldsnap=recipe.read_text()[recipe.read_text().index("coldsnap:") :], replace={"port: 8000": "port: 8001"}, name="tiny-second.yaml")
+    sparkrun("run", str(recipe), "-H", "localhost", "--no-follow")
+    try:
+        out = sparkrun("run", str(other), "-H", "localhost", "--no-follow")
+        assert "restored tiny:latest" in out.stderr + out.stdout, out.stderr[-2000:]
+        assert ask() == receipt["validation"]["reply"]
+        assert ask(8001) == receipt["validation"]["reply"]
+        assert sparkrun("status", "-H", "localhost").stdout.count("Up (pid") == 2
+    finally:
+        sparkrun("stop", str(other), "-H", "localhost", check=False)
+        sparkrun("stop", str(recipe), "-H", "localhost")
+        wait_gone()
 
 
 def copy_store(store: Path, tmp_path: Path) -> Path:
@@ -220,7 +264,7 @@ def test_missing_capsule_fails_when_asked_and_starts_vanilla_otherwise(sparkrun,
 def test_dry_run_changes_nothing(captured, sparkrun):
     store, recipe, _ = captured
     out = sparkrun("run", str(recipe), "-H", "localhost", "--dry-run")
-    assert "dry run: would restore capsule tiny:latest" in out.stderr + out.stdout
+    assert "dry run: the run would restore capsule tiny:latest" in out.stderr + out.stdout
     assert not engine_processes()
     assert not list(Path("/dev/shm/coldsnap-staging").glob("restore-*"))
 

@@ -19,7 +19,7 @@ from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import Receipt, save_failure_receipt, save_receipt
 from sparkrun_coldsnap.documents.recipe_block import ColdsnapBlock
 from sparkrun_coldsnap.documents.request import RestoreRequest
-from sparkrun_coldsnap.errors import ColdsnapError, NotFoundError
+from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, NotFoundError
 from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.integration.placement import OPT_PLAN_INTO, OPT_RECEIPT, capsule_name, restore_request, store_for, workload_name
 from sparkrun_coldsnap.integration.recipe_item import block_of, source_of
@@ -72,9 +72,9 @@ class Strategy:
         try:
             req = restore_request(context)
             store = store_for(context)
-            if opts.dry_run:
-                return DryRun(describe_plan(req, store))
             block = block_of(context.execution.plan.recipe)
+            if opts.dry_run:
+                return DryRun(describe_plan(req, store, block.capsule.repository).text)
             try:
                 store.resolve(req.capsule.ref)
             except NotFoundError:
@@ -163,27 +163,50 @@ def pull_capsule(block: ColdsnapBlock, req: RestoreRequest, store: CapsuleStore)
         _say("native weight payload not fetched: %s" % got.native_error)
 
 
-def describe_plan(req: RestoreRequest, store: CapsuleStore) -> str:
-    """What ``sparkrun run`` would do, admission included (it only reads)."""
+@dataclasses.dataclass(frozen=True)
+class PlanView:
+    """What a run would do, in words, and the error it would end with (None: it would serve)."""
+
+    text: str
+    error: ColdsnapError | None = None
+
+
+def describe_plan(req: RestoreRequest, store: CapsuleStore, repository: str | None = None) -> PlanView:
+    """What ``sparkrun run`` would do, admission included (it only reads: nothing is pulled)."""
     from sparkrun_coldsnap.capsule.capsule import open_capsule
 
+    error: ColdsnapError | None = None
+    w = req.workload
+    if req.on_incompatible == "vanilla":
+        instead = "start the engine vanilla%s" % (" and capture it again" if req.recapture else "")
+    else:
+        instead = "fail (on_incompatible: fail)"
     try:
         cap = open_capsule(store, req.capsule.ref)
-        problems, choice = controller.check_admission(cap, req, controller.resolve(req.workload, settings_mod.current()))
+        problems, choice = controller.check_admission(cap, req, controller.resolve(w, settings_mod.current()))
+        head = "restore capsule %s (%s) from %s" % (req.capsule.ref, cap.digest[:19], store.root)
         if problems:
-            instead = "start vanilla%s" % (" and recapture" if req.recapture else "") if req.on_incompatible == "vanilla" else "fail"
-            verdict = "admission would refuse it: %s; then %s (on_incompatible: %s)" % ("; ".join(problems), instead, req.on_incompatible)
+            what = "refuse capsule %s (%s) at admission: %s; then %s" % (req.capsule.ref, cap.digest[:19], "; ".join(problems), instead)
+            if req.on_incompatible == "fail":
+                error = CompatibilityError("admission refused for capsule %s: %s" % (req.capsule.ref, "; ".join(problems)))
         else:
-            verdict = "admission passes"
-        if choice is not None and not problems:
-            verdict += "; weights by the %s path%s" % (choice.path, " (%s)" % choice.note if choice.note else "")
-        what = "restore capsule %s (%s) from %s; %s" % (req.capsule.ref, cap.digest[:19], store.root, verdict)
-    except NotFoundError:
-        what = "no capsule %s in %s: %s" % (req.capsule.ref, store.root, "start vanilla" if req.on_missing == "vanilla" else "fail")
+            weights = "; weights by the %s path%s" % (choice.path, " (%s)" % choice.note if choice.note else "") if choice is not None else ""
+            what = "%s: admission passes%s" % (head, weights)
+    except NotFoundError as err:
+        if repository:
+            what = "pull capsule %s from %s (it is not in %s yet), check it at admission and restore it; if the repository has none, %s" % (
+                req.capsule.ref, repository, store.root, "start the engine vanilla" if req.on_missing == "vanilla" else "fail (on_missing: fail)")  # fmt: skip
+        elif req.on_missing == "vanilla":
+            what = "start the engine vanilla: there is no capsule %s in %s" % (req.capsule.ref, store.root)
+        else:
+            what = "fail: there is no capsule %s in %s (on_missing: fail)" % (req.capsule.ref, store.root)
+            error = err
     except ColdsnapError as err:
-        what = "not restore: %s" % err
-    w = req.workload
-    return "dry run: would %s; engine %s, driver %s, port %d, workload %s; nothing was changed" % (what, w.engine, w.driver, w.launch.port, req.workload_name)
+        what, error = "fail: %s" % err, err
+    return PlanView(
+        "dry run: the run would %s. Engine %s, driver %s, port %d, workload %s; nothing was changed." % (what, w.engine, w.driver, w.launch.port, req.workload_name),
+        error,
+    )
 
 
 def _receipt_place(context: Any) -> tuple[Path | None, Path, str]:
