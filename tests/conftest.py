@@ -105,6 +105,9 @@ def template_home(tmp_path_factory) -> Path:
     sr("setup", "features", "enable" if docker_up else "disable", "executor.docker")
     for name in REGISTRIES:
         sr("registry", "disable", name, check=False)
+    from sparkrun_coldsnap.integration.registries import settle_pending_bootstrap
+
+    settle_pending_bootstrap(home / ".config" / "sparkrun")  # as `setup` does on a host without internet
     return home
 
 
