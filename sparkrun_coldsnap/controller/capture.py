@@ -101,7 +101,7 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, settings: Settings | No
             attempt.running = None
             unit.stop(grace=10.0)
             unit.reap()
-            with rb.phase("pack"), progress.transfer("packing %.0f MB of process images" % (image.image_bytes / 1e6), image.image_bytes) as tick:
+            with rb.phase("pack"), progress.transfer("packing %.1f MB of process images" % (image.image_bytes / 1e6), image.image_bytes) as tick:
                 layers = pack_unit(run.images, unit_def.name, staging, tick=tick)
             config = CapsuleConfig(
                 name=req.capsule.name,
