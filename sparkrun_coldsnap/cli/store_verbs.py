@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
-from sparkrun_coldsnap.cli.common import emit_json, open_store, store_option
+from sparkrun_coldsnap.cli.common import emit_json, open_store, plain_store_option
 from sparkrun_coldsnap.digests import short
 from sparkrun_coldsnap.errors import ColdsnapError
 from sparkrun_coldsnap.progress import Progress
@@ -27,8 +27,8 @@ def _summary(cap: capsule_mod.Capsule) -> dict:
 
 
 @click.command("list")
-@store_option
-@click.option("--json", "as_json", is_flag=True)
+@plain_store_option
+@click.option("--json", "as_json", is_flag=True, help="Print the capsules as JSON.")
 def list_capsules(store, as_json):
     """List the capsules in the local store."""
     s = open_store(store)
@@ -44,17 +44,17 @@ def list_capsules(store, as_json):
     if not rows:
         click.echo("no capsules in %s" % s.root)
         return
-    click.echo("%-28s %-20s %-12s %-6s %9s  %s" % ("CAPSULE", "DIGEST", "ENGINE", "DRIVER", "SIZE", "CREATED"))
+    click.echo("%-28s %-20s %-12s %-6s %10s  %s" % ("CAPSULE", "DIGEST", "ENGINE", "DRIVER", "SIZE", "CREATED"))
     for r in rows:
         if "error" in r:
             click.echo("%-28s %-20s damaged: %s" % (r["ref"], short(r["digest"]), r["error"]))
             continue
-        click.echo("%-28s %-20s %-12s %-6s %7.0fMB  %s" % (r["ref"], short(r["digest"]), r["engine"].strip(), r["driver"], r["size"] / 1e6, r["created"]))
+        click.echo("%-28s %-20s %-12s %-6s %7.1f MB  %s" % (r["ref"], short(r["digest"]), r["engine"].strip(), r["driver"], r["size"] / 1e6, r["created"]))
 
 
 @click.command("inspect")
 @click.argument("capsule")
-@store_option
+@plain_store_option
 @click.option("--json", "as_json", is_flag=True, help="Print manifest and config as JSON.")
 def inspect(capsule, store, as_json):
     """Show a capsule's manifest, config and layers (CAPSULE is name[:tag] or a digest)."""
@@ -82,13 +82,13 @@ def inspect(capsule, store, as_json):
         a = d.annotations or {}
         click.echo("  %s %-40s %9.1f MB  %s" % (short(d.digest), a.get("org.opencontainers.image.title", ""), d.size / 1e6, d.media_type.rsplit(".", 1)[-1]))
     for u in c.units:
-        click.echo("unit %s on %s: %d processes, %.0f MB of images, %d shared files" % (u.name, u.host, len(u.pids), u.image_bytes / 1e6, len(u.shared_files)))
+        click.echo("unit %s on %s: %d processes, %.1f MB of images, %d shared files" % (u.name, u.host, len(u.pids), u.image_bytes / 1e6, len(u.shared_files)))
 
 
 @click.command("verify")
 @click.argument("capsule")
-@store_option
-@click.option("--json", "as_json", is_flag=True)
+@plain_store_option
+@click.option("--json", "as_json", is_flag=True, help="Print what was verified as JSON.")
 def verify(capsule, store, as_json):
     """Re-hash every blob of a capsule; fails on the first that does not match its digest."""
     s = open_store(store)
@@ -118,7 +118,7 @@ def _native_digests(s) -> set[str]:
 
 @click.command("delete")
 @click.argument("capsule")
-@store_option
+@plain_store_option
 @click.option("--keep-native", is_flag=True, help="Keep the capsule's native weight payload on this host.")
 def delete(capsule, store, keep_native):
     """Remove a capsule from the local store and free blobs no other capsule uses, and its native weight payload."""
