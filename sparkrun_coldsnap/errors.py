@@ -51,6 +51,13 @@ class IntegrityError(StoreError):
     code = "store.integrity"
 
 
+class UntrustedStoreError(StoreError):
+    """The store could have been changed by another user: restore (CRIU, as root) will not read it."""
+
+    code = "store.untrusted"
+    exit_code = 2
+
+
 class NotFoundError(StoreError):
     """The named capsule, blob or reference is not in the store."""
 
@@ -104,3 +111,15 @@ class RegistryError(ColdsnapError):
 def describe_cleanup_failure(primary: BaseException, cleanup: BaseException) -> str:
     """Report a cleanup failure beside the error that triggered the cleanup."""
     return "%s (cleanup also failed: %s)" % (primary, cleanup)
+
+
+def coldsnap_cause(err: BaseException) -> ColdsnapError | None:
+    """The plugin's own error inside an exception another layer (sparkrun) wrapped it in, if any."""
+    seen: set[int] = set()
+    cur: BaseException | None = err
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, ColdsnapError):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None

@@ -11,7 +11,7 @@ import pytest
 from conftest import BIN, ROOT, write_recipe
 from helpers import one_error_line
 
-VERBS = ("capture", "restore", "inspect", "list", "verify", "delete", "capabilities", "doctor", "bench", "setup")
+VERBS = ("capture", "restore", "inspect", "list", "verify", "delete", "gc", "capabilities", "doctor", "bench", "setup")
 
 
 def test_help_lists_the_verbs(sparkrun):

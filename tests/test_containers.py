@@ -1,21 +1,31 @@
 """The container path with real Docker: capture a CPU vLLM server running in a container,
-restore it into a NEW container through `sparkrun run`, validate, and let sparkrun stop it."""
+restore it into a NEW container through `sparkrun run`, validate, and let sparkrun and docker
+treat it as any other container; then the faults: a name already taken, a capsule of another
+image, the docker daemon restarting in the middle of a restore. Each leaves no container, no
+copy of the images and no process behind."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
+import time
+from pathlib import Path
 
+import psutil
 import pytest
 import requests
-from conftest import RECIPE, require_engine, write_recipe
+from conftest import BIN, RECIPE, Sparkrun, base_env, require_engine, write_recipe
 
-from sparkrun_coldsnap.launch import checkpoint_leftovers
+from sparkrun_coldsnap.host import paths
+from sparkrun_coldsnap.launch import checkpoint_leftovers, lazy_runtime
 
 pytestmark = pytest.mark.engine
 DOCKER_RECIPE = RECIPE.with_name("tiny-vllm-cpu-docker.yaml")
 PROMPT = "Reply with one short sentence: what is a cold start?"
+IMAGE = "coldsnap/vllm-cpu:0.32.0"
 
 
 def docker(*args: str) -> subprocess.CompletedProcess:
@@ -25,8 +35,8 @@ def docker(*args: str) -> subprocess.CompletedProcess:
 def require_docker() -> None:
     if not shutil.which("docker") or docker("info").returncode != 0:
         pytest.fail("no docker daemon: run `sparkrun coldsnap setup --docker` (scripts/test.sh does)")
-    if docker("image", "inspect", "coldsnap/vllm-cpu:0.32.0").returncode != 0:
-        pytest.fail("no engine image coldsnap/vllm-cpu:0.32.0: run `sparkrun coldsnap setup --docker`")
+    if docker("image", "inspect", IMAGE).returncode != 0:
+        pytest.fail("no engine image %s: run `sparkrun coldsnap setup --docker`" % IMAGE)
 
 
 def containers() -> list[dict]:
@@ -39,6 +49,49 @@ def unpacked_checkpoints() -> set:
     return {d for parent in checkpoint_leftovers.containerd_temp_dirs() for d in parent.glob(checkpoint_leftovers.PREFIX + "*")}
 
 
+def staged_images() -> list[Path]:
+    """Images staged for a restore, wherever preparation put them (tmpfs, or beside the store)."""
+    roots = [paths.memory_staging(0) or Path("/nonexistent")]
+    return [p for root in roots if root.is_dir() for p in root.iterdir()]
+
+
+def lazy_daemons() -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "lazy-pages" in cmd and "coldsnap-staging" in cmd:
+            found.append(p)
+    return found
+
+
+def in_docker_cgroups() -> list[int]:
+    """Processes inside any docker container's cgroup (none should be, with no container)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if "/docker/" in Path("/proc/%s/cgroup" % entry).read_text():
+                    pids.append(int(entry))
+            except OSError:
+                continue
+    return pids
+
+
+def assert_nothing_left(unpacked_before: set, timeout: float = 20.0) -> None:
+    """No container, no images, no unpacked copy, no lazy-pages daemon, no process in a container.
+
+    The lazy-pages daemon removes the images once it has delivered every page or its
+    processes are gone, and docker removes a ``--rm`` container just after it stops: a few
+    seconds after a stop.
+    """
+    deadline = time.monotonic() + timeout
+    while staged_images() or lazy_daemons() or containers():
+        assert time.monotonic() < deadline, "left behind: %s %s %s" % (staged_images(), lazy_daemons(), containers())
+        time.sleep(0.2)
+    assert unpacked_checkpoints() <= unpacked_before
+    assert in_docker_cgroups() == []
+
+
 def ask() -> str:
     body = {"model": "coldsnap/tiny-qwen2", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16, "temperature": 0, "seed": 0}
     r = requests.post("http://127.0.0.1:8000/v1/chat/completions", json=body, timeout=60)
@@ -46,26 +99,42 @@ def ask() -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
-def docker_recipe(tmp_path, store):
+def docker_recipe(tmp_path: Path, store: Path, *, name: str = "tiny-docker.yaml", replace: dict[str, str] | None = None) -> Path:
     block = "coldsnap:\n  capsule:\n    name: tiny-docker\n    store: %s\n  validation:\n    prompt: %r\n    max_tokens: 16\n" % (store, PROMPT)
-    return write_recipe(tmp_path, coldsnap=block, name="tiny-docker.yaml", source=DOCKER_RECIPE)
+    return write_recipe(tmp_path, coldsnap=block, name=name, source=DOCKER_RECIPE, replace=replace)
 
 
-def test_capture_in_a_container_restore_into_a_new_one(sparkrun, tmp_path):
+def error_lines(cp: subprocess.CompletedProcess) -> list[str]:
+    return [l for l in (cp.stderr + cp.stdout).splitlines() if l.startswith("Error:")]
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory, template_home):
+    """One real capture in a container for the module: (store, recipe, receipt)."""
     require_engine()
     require_docker()
     assert not [c for c in containers() if "coldsnap" in c["Names"] or c["Names"].startswith("sparkrun_")], containers()
-    store = tmp_path / "store"
-    recipe = docker_recipe(tmp_path, store)
-    receipt_path = tmp_path / "capture.json"
-    sparkrun.coldsnap("capture", str(recipe), "-H", "localhost", "--receipt", str(receipt_path))
-    receipt = json.loads(receipt_path.read_text())
+    tmp = tmp_path_factory.mktemp("docker-captured")
+    home = tmp / "home"
+    shutil.copytree(template_home, home, symlinks=True)
+    sr = Sparkrun(home, base_env(home))
+    store = tmp / "store"
+    recipe = docker_recipe(tmp, store)
+    receipt_path = tmp / "capture.json"
+    sr.coldsnap("capture", str(recipe), "-H", "localhost", "--receipt", str(receipt_path))
+    assert containers() == []  # the capture container is gone; its state is in the capsule
+    return store, recipe, json.loads(receipt_path.read_text())
+
+
+def test_capture_in_a_container_restore_into_a_new_one(captured, sparkrun):
+    store, recipe, receipt = captured
     reply = receipt["validation"]["reply"]
     assert receipt["state"] == "succeeded" and reply
-    assert containers() == []  # the capture container is gone; its state is in the capsule
     doc = sparkrun.json("inspect", "tiny-docker", "--store", str(store), "--json")
     unit = doc["config"]["units"][0]
     assert unit["driver_data"]["container"]["image"].startswith("sha256:")
+    # sparkrun's persistent compile cache is mounted, as in sparkrun's own docker launches.
+    assert "/cache/runtime" in unit["driver_data"]["container"]["volumes"].values()
     assert doc["config"]["fingerprint"]["container_runtime"].startswith("docker ")
     assert doc["config"]["workload"]["launch"]["image"].startswith("coldsnap/vllm-cpu:0.32.0@sha256:")
 
@@ -74,18 +143,119 @@ def test_capture_in_a_container_restore_into_a_new_one(sparkrun, tmp_path):
     assert "restored tiny-docker:latest" in out.stderr + out.stdout
     assert ask() == reply
     running = containers()
-    # Neither containerd's unpacked copy nor docker's own copy of the images outlives the start.
-    assert unpacked_checkpoints() <= unpacked_before
-    assert docker("checkpoint", "ls", "--format", "{{.Name}}", running[0]["Names"]).stdout.strip() == ""
     assert len(running) == 1 and running[0]["Names"].startswith("sparkrun_") and running[0]["Names"].endswith("_solo")
-    labels = docker("inspect", "--format", "{{json .Config.Labels}}", running[0]["Names"]).stdout
-    assert json.loads(labels)["sparkrun.distribution"] == "sparkrun"
+    name = running[0]["Names"]
+    info = json.loads(docker("inspect", name).stdout)[0]
+    assert info["Config"]["Labels"]["sparkrun.distribution"] == "sparkrun"
+    # An ordinary container for docker: removed on exit as sparkrun's own, memory on demand
+    # through the runc wrapper, and nothing of the checkpoint kept.
+    assert info["HostConfig"]["AutoRemove"] is True and info["HostConfig"]["Runtime"] == lazy_runtime.NAME
+    assert docker("logs", name).returncode == 0
     status = sparkrun("status", "-H", "localhost").stdout
-    assert running[0]["Names"] in status or "tiny-docker.yaml" in status
+    assert name in status or "tiny-docker.yaml" in status
     logs = sparkrun("logs", str(recipe), "-H", "localhost", "-n", "5", check=False)
     assert logs.returncode == 0, logs.stderr
+    time.sleep(1.0)  # the clean-up after the start runs beside the validation
+    assert docker("checkpoint", "ls", "--format", "{{.Name}}", name).stdout.strip() == ""
+    assert unpacked_checkpoints() <= unpacked_before
     sparkrun("stop", str(recipe), "-H", "localhost")
-    assert containers() == []
+    assert_nothing_left(unpacked_before)
     restores = sorted((store / "receipts" / "tiny-docker").glob("*-restore.json"))
     r = json.loads(restores[-1].read_text())
     assert r["validation"]["passed"] and {p["name"] for p in r["phases"]} >= {"prepare.container", "restore", "validate"}
+
+
+def test_docker_stop_treats_the_restored_container_like_any_other(captured, sparkrun):
+    store, recipe, receipt = captured
+    unpacked_before = unpacked_checkpoints()
+    sparkrun("run", str(recipe), "-H", "localhost", "--no-follow")
+    name = containers()[0]["Names"]
+    assert docker("stop", name).returncode == 0
+    assert_nothing_left(unpacked_before)  # --rm, as sparkrun's own containers
+    # ... and sparkrun sees it gone.
+    status = sparkrun("status", "-H", "localhost").stdout
+    assert name not in status
+
+
+def test_a_container_holding_sparkruns_name_is_left_alone(captured, sparkrun):
+    store, recipe, receipt = captured
+    sparkrun("run", str(recipe), "-H", "localhost", "--no-follow")
+    name = containers()[0]["Names"]
+    sparkrun("stop", str(recipe), "-H", "localhost")
+    unpacked_before = unpacked_checkpoints()
+    # Not sparkrun's (no owner label), so sparkrun's eviction leaves it where it is.
+    holder = docker("create", "--name", name, IMAGE, "true")
+    assert holder.returncode == 0, holder.stderr
+    try:
+        cp = sparkrun("run", str(recipe), "-H", "localhost", "--no-follow", check=False)
+        assert cp.returncode != 0
+        errors = error_lines(cp)
+        assert len(errors) == 1 and "a container named %s already exists (%s)" % (name, holder.stdout.strip()[:12]) in errors[0], cp.stderr[-2000:]
+        assert [c["Names"] for c in containers()] == [name]  # the holder, untouched
+    finally:
+        docker("rm", "-f", name)
+    assert_nothing_left(unpacked_before)
+
+
+def test_a_capsule_of_another_image_is_refused_before_anything_is_created(captured, sparkrun, tmp_path):
+    store, _, _ = captured
+    root = tmp_path / "rootfs"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "os-release").write_text("NAME=other\n")
+    tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
+    imported = subprocess.run(["docker", "import", "-", "coldsnap-test/other:1"], stdin=tar.stdout, capture_output=True, text=True)
+    tar.wait()
+    assert imported.returncode == 0, imported.stderr
+    try:
+        recipe = docker_recipe(tmp_path, store, replace={"container: coldsnap/vllm-cpu:0.32.0": "container: coldsnap-test/other:1"})
+        unpacked_before = unpacked_checkpoints()
+        # `sparkrun run` would start the recipe vanilla instead (on_incompatible: vanilla); restore refuses.
+        cp = sparkrun.coldsnap("restore", str(recipe), "-H", "localhost", check=False)
+        assert cp.returncode != 0
+        errors = error_lines(cp)
+        assert len(errors) == 1 and "image_digest: captured" in errors[0] and imported.stdout.strip() in errors[0], cp.stderr[-2000:]
+        assert_nothing_left(unpacked_before)
+    finally:
+        docker("rmi", "coldsnap-test/other:1")
+
+
+def dockerd_pid() -> int:
+    return int(Path("/var/run/docker.pid").read_text().strip())
+
+
+def runc_restoring() -> bool:
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            comm = Path("/proc/%s/comm" % entry).read_text().strip()
+            cmd = Path("/proc/%s/cmdline" % entry).read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if comm in ("runc", lazy_runtime.NAME) and b"restore" in cmd:
+            return True
+    return False
+
+
+def test_a_daemon_restart_during_the_restore_leaves_nothing_behind(captured, sparkrun):
+    """dockerd dies while runc restores (a crash: SIGKILL) and is started again as setup does."""
+    from sparkrun_coldsnap.setup.docker_install import start_daemon
+
+    store, recipe, _ = captured
+    unpacked_before = unpacked_checkpoints()
+    argv = [str(BIN / "sparkrun"), "run", str(recipe), "-H", "localhost", "--no-follow"]
+    run = subprocess.Popen(argv, env=sparkrun.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not runc_restoring():
+            assert run.poll() is None, "the restore ended before runc ran: %s" % run.communicate()[1][-2000:]
+            assert time.monotonic() < deadline, "runc never started restoring"
+            time.sleep(0.005)
+        os.kill(dockerd_pid(), signal.SIGKILL)
+    finally:
+        start_daemon(print, restart=False)
+    _, stderr = run.communicate(timeout=300)
+    assert run.returncode != 0
+    errors = [l for l in stderr.splitlines() if l.startswith("Error:")]
+    assert len(errors) == 1 and "the docker daemon went away while restoring" in errors[0], stderr[-2000:]
+    assert_nothing_left(unpacked_before)

@@ -54,7 +54,9 @@ def test_a_library_changed_since_capture_is_refused_before_eviction_and_the_work
         rewrite_build_id(lib)
 
         # Refused before eviction, naming the file; the old workload serves on.
-        strict = drift_recipe(tmp_path, store, lib, extra="  on_incompatible: fail\n")
+        # The same recipe (same file name: the same sparkrun workload) that fails instead.
+        (tmp_path / "strict").mkdir()
+        strict = drift_recipe(tmp_path / "strict", store, lib, extra="  on_incompatible: fail\n")
         cp = sparkrun("run", str(strict), "-H", "localhost", "--no-follow", check=False)
         text = cp.stderr + cp.stdout
         assert cp.returncode != 0
@@ -64,6 +66,8 @@ def test_a_library_changed_since_capture_is_refused_before_eviction_and_the_work
         assert receipts(store, "restore")[-1]["state"] == "refused"
 
         # The default: the refused restore becomes a vanilla start, validated, saying why.
+        sparkrun("stop", str(recipe), "-H", "localhost")
+        wait_gone()
         out = sparkrun("run", str(recipe), "-H", "localhost", "--no-follow")
         assert "starting the engine vanilla" in out.stderr + out.stdout
         assert ask() == reply
@@ -76,7 +80,8 @@ def test_a_library_changed_since_capture_is_refused_before_eviction_and_the_work
         wait_gone()
 
     # recapture: true captures the engine again and serves from the new capsule ...
-    healing = drift_recipe(tmp_path, store, lib, extra="  recapture: true\n")
+    (tmp_path / "healing").mkdir()
+    healing = drift_recipe(tmp_path / "healing", store, lib, extra="  recapture: true\n")
     old_digest = captured["capsule"]
     out = sparkrun("run", str(healing), "-H", "localhost", "--no-follow")
     try:

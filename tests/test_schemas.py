@@ -30,5 +30,5 @@ def test_receipts_validate_against_their_schema():
     refused = rb.finish("refused", CompatibilityError("admission refused: kernel_release differs")).model_dump(mode="json")
     for doc in (ok, refused):
         jsonschema.validate(doc, schema)
-    assert refused["error"] == {"code": "admission.refused", "message": "admission refused: kernel_release differs"}
+    assert refused["error"] == {"code": "admission.refused", "message": "admission refused: kernel_release differs", "phase": "restore"}
     assert ok["unaccounted_seconds"] >= 0 and [p["name"] for p in ok["phases"]] == ["restore"]

@@ -67,6 +67,19 @@ def test_release_then_hydrate_in_place(fake):
         adapter.hydrate(endpoint, path="native", model_dir=str(mdir))
 
 
+def test_resuming_released_weights_without_a_reload_answers_empty_text(fake):
+    """As the real server did on the GPU machine: a release drops the weights, a resume gives back
+    only the memory; a restore that skipped the reload would serve nothing and fail validation."""
+    adapter, endpoint, unit, _ = fake
+    adapter.wait_ready(endpoint, alive=unit.alive, timeout=30)
+    assert adapter.validate(endpoint, prompt="hello", max_tokens=6, timeout=30).text
+    adapter.release_memory(endpoint)
+    for tags in (["weights"], ["kv_cache"]):
+        requests.post(endpoint.base_url + "/resume_memory_occupation", json={"tags": tags}, timeout=30).raise_for_status()
+    with pytest.raises(EngineError, match="answered the validation prompt with an empty reply"):
+        adapter.validate(endpoint, prompt="hello", max_tokens=6, timeout=30)
+
+
 def test_hydrating_from_a_missing_directory_is_a_clear_error(fake, tmp_path):
     adapter, endpoint, unit, mdir = fake
     adapter.wait_ready(endpoint, alive=unit.alive, timeout=30)

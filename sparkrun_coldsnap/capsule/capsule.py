@@ -14,7 +14,7 @@ from sparkrun_coldsnap.capsule import media
 from sparkrun_coldsnap.capsule.config import CAPSULE_FORMAT, CapsuleConfig
 from sparkrun_coldsnap.capsule.pack import PackedLayer
 from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor, IndexEntry
-from sparkrun_coldsnap.digests import short
+from sparkrun_coldsnap.digests import canonical_json, sha256_bytes, short
 from sparkrun_coldsnap.errors import IntegrityError, StoreError
 
 
@@ -68,13 +68,15 @@ def build_manifest(config_desc: Descriptor, layers: list[Descriptor], config: Ca
 
 def publish(store: CapsuleStore, layers: list[PackedLayer], config: CapsuleConfig) -> Descriptor:
     """Move staged layers into the store, write config and manifest, then tag (last)."""
-    for layer in layers:
-        store.publish_blob_file(layer.path, layer.digest, layer.size)
-    config_desc = store.put_json(config.model_dump(mode="json"), media.CONFIG_MEDIA_TYPE)
-    manifest = build_manifest(config_desc, [l.descriptor() for l in layers], config)
-    desc = store.put_json(manifest, media.OCI_MANIFEST, artifact_type=media.ARTIFACT_TYPE)
-    # The tag is the publication: until it is written, no reader sees the capsule.
-    store.tag("%s:%s" % (config.name, config.tag), desc)
+    config_bytes = canonical_json(config.model_dump(mode="json"))
+    config_desc = Descriptor(media.CONFIG_MEDIA_TYPE, sha256_bytes(config_bytes), len(config_bytes))
+    manifest_bytes = canonical_json(build_manifest(config_desc, [l.descriptor() for l in layers], config))
+    desc = Descriptor(media.OCI_MANIFEST, sha256_bytes(manifest_bytes), len(manifest_bytes), artifact_type=media.ARTIFACT_TYPE)
+    # One step under the store lock, the tag last: until it is written no reader sees the
+    # capsule, and a write killed before it leaves blobs the next write (or gc) frees.
+    store.commit(
+        "%s:%s" % (config.name, config.tag), desc, files=[(l.path, l.digest, l.size) for l in layers], documents=[config_bytes, manifest_bytes]
+    )
     return desc
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from sparkrun_coldsnap.compat.fingerprint import Fingerprint
 from sparkrun_coldsnap.documents.request import Workload
@@ -61,3 +61,16 @@ class CapsuleConfig(Strict):
     validation: CapturedValidation
     weights: WeightsRecord
     units: tuple[UnitImage, ...]
+
+    @model_validator(mode="after")
+    def _one_engine(self) -> CapsuleConfig:
+        # The engine is recorded twice (here for people and listings, in the fingerprint for
+        # admission, which compares only the fingerprint's): a config whose two records
+        # disagree could be admitted on the strength of one while the other is true.
+        fp = self.fingerprint
+        if (self.engine.name, self.engine.version) != (fp.engine, fp.engine_version):
+            raise ValueError(
+                "engine %s %s disagrees with fingerprint.engine %s %s: the config was altered; recapture"
+                % (self.engine.name, self.engine.version, fp.engine, fp.engine_version)
+            )
+        return self

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +24,9 @@ import zstandard
 
 from sparkrun_coldsnap.capsule import media
 from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor
+from sparkrun_coldsnap.digests import short
 from sparkrun_coldsnap.errors import IntegrityError, StoreError
+from sparkrun_coldsnap.host.atomic import explain_os_error
 from sparkrun_coldsnap.host.sparse import write_sparse
 
 SAMPLE = 4 << 20
@@ -126,7 +129,8 @@ def pack_unit(images: Path, unit: str, out_dir: Path, *, tick: Tick | None = Non
                 raw.flush()
                 os.fsync(raw.fileno())
         except OSError as err:
-            raise StoreError("cannot write layer %s: %s" % (out, err.strerror or err)) from err
+            out.unlink(missing_ok=True)  # a half-written layer is nothing anyone can use
+            raise StoreError(explain_os_error(err, out)) from err
         layers.append(
             PackedLayer(
                 path=out,
@@ -145,10 +149,24 @@ def pack_unit(images: Path, unit: str, out_dir: Path, *, tick: Tick | None = Non
 
 
 def _safe_member(member: tarfile.TarInfo, dest: Path) -> Path:
+    """Where *member* may be written under *dest*; anything else is refused before a byte is.
+
+    Restore runs CRIU as root on what it unpacks: a layer may hold only plain files and
+    directories with relative names inside *dest* (no absolute paths, no ``..``, no links,
+    devices or fifos)."""
     name = member.name
-    if name.startswith("/") or ".." in Path(name).parts or not (member.isfile() or member.isdir()):
-        raise IntegrityError("layer member %r is not a plain relative file: refusing to unpack it" % name)
+    parts = Path(name).parts
+    if not name or name.startswith("/") or ".." in parts or "\0" in name or not (member.isfile() or member.isdir()):
+        raise IntegrityError("layer member %r is not a plain relative file or directory: refusing to unpack it" % name)
     return dest / name
+
+
+def _declared_size(desc: Descriptor) -> int | None:
+    value = (desc.annotations or {}).get(media.A_UNPACKED_SIZE)
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        raise IntegrityError("layer %s declares an unpacked size %r that is not a number" % (desc.digest, value)) from None
 
 
 def unpack_layer(store: CapsuleStore, desc: Descriptor, dest: Path, *, tick: Tick | None = None) -> int:
@@ -156,6 +174,15 @@ def unpack_layer(store: CapsuleStore, desc: Descriptor, dest: Path, *, tick: Tic
     if desc.media_type not in media.LAYER_TYPES:
         raise IntegrityError("layer %s has media type %s, not a capsule layer" % (desc.digest, desc.media_type))
     written = 0
+    declared = _declared_size(desc)
+    if declared is not None:
+        # Room first, from what capture recorded: a layer cannot fill the disk half-way into a restore.
+        dest.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(dest).free
+        if declared > free:
+            raise StoreError("layer %s unpacks to %d bytes, %s has %d free: free space there (or set COLDSNAP_MEMORY_STAGING=off to stage on the store's disk)" % (
+                short(desc.digest), declared, dest, free))  # fmt: skip
+    members_total = 0
     with store.open_blob(desc) as blob:
         counted = _CountingReader(blob, tick)  # type: ignore[arg-type]
         source: BinaryIO = zstandard.ZstdDecompressor().stream_reader(counted, closefd=False) if desc.media_type == media.LAYER_TAR_ZSTD else counted  # type: ignore[arg-type, assignment]
@@ -163,15 +190,23 @@ def unpack_layer(store: CapsuleStore, desc: Descriptor, dest: Path, *, tick: Tic
             with tarfile.open(fileobj=source, mode="r|") as tar:
                 for member in tar:
                     target = _safe_member(member, dest)
+                    members_total += max(member.size, 0)
+                    if declared is not None and members_total > declared:
+                        raise IntegrityError("layer %s holds more than the %d bytes its manifest declares (member %r): refusing to unpack it" % (
+                            short(desc.digest), declared, member.name))  # fmt: skip
                     if member.isdir():
                         target.mkdir(parents=True, exist_ok=True)
                         continue
                     target.parent.mkdir(parents=True, exist_ok=True)
                     data = tar.extractfile(member)
                     assert data is not None
-                    with open(target, "wb") as out:
+                    # A new file, never through a link: a name given twice or a planted link is refused.
+                    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                    with os.fdopen(fd, "wb") as out:
                         written += write_sparse(data, out, member.size)  # type: ignore[arg-type]
-                    os.chmod(target, member.mode & 0o7777)
+                    os.chmod(target, member.mode & 0o755)  # no setuid/setgid, nothing for others to write
+        except FileExistsError as err:
+            raise IntegrityError("layer %s names %s twice: refusing to unpack it" % (short(desc.digest), err.filename)) from err
         except (tarfile.TarError, zstandard.ZstdError, EOFError) as err:
             blob.verify_rest()  # a damaged blob is the likelier story: say so if it is
             raise IntegrityError("layer %s is not a readable tar%s: %s" % (desc.digest, "+zstd" if desc.media_type == media.LAYER_TAR_ZSTD else "", err)) from err

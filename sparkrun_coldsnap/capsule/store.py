@@ -16,7 +16,6 @@ import contextlib
 import fcntl
 import json
 import os
-import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,11 +24,16 @@ from typing import Any, BinaryIO
 
 from sparkrun_coldsnap.capsule import media
 from sparkrun_coldsnap.digests import CHUNK, HashingReader, canonical_json, hex_of, is_digest, sha256_bytes, short
-from sparkrun_coldsnap.errors import IntegrityError, NotFoundError, RequestError, StoreError
+from sparkrun_coldsnap.errors import IntegrityError, NotFoundError, RequestError, StoreError, UntrustedStoreError
 from sparkrun_coldsnap.host import paths
-from sparkrun_coldsnap.host.atomic import explain_os_error, fsync_dir, staging_dir, write_bytes
+from sparkrun_coldsnap.host.atomic import explain_os_error, fsync_dir, owned_prefix, staging_dir, write_bytes
 
 LAYOUT_VERSION = {"imageLayoutVersion": "1.0.0"}
+# Capsules hold process memory (prompts, keys a process held): read-only, and not for other users.
+BLOB_MODE = 0o440
+# Stores whose lock this process holds, with how deep: flock locks are per open file, so a
+# second open of .lock by the same process would wait for itself.
+_HELD: dict[str, int] = {}
 
 
 @dataclass(frozen=True)
@@ -134,12 +138,41 @@ class CapsuleStore:
         return self.root / "receipts"
 
     def exists(self) -> bool:
+        self.check_directory()
         return (self.root / "oci-layout").is_file() and (self.root / "index.json").is_file()
+
+    def check_directory(self) -> None:
+        """A store path that is (or lies under) a regular file is an input error, not an empty store."""
+        for p in (self.root, *self.root.parents):
+            if p.exists():
+                if not p.is_dir():
+                    where = "" if p == self.root else " (%s is a file)" % p
+                    raise RequestError("capsule store %s is not a directory%s: point --store (or coldsnap.capsule.store) at a directory" % (self.root, where))
+                return
+
+    def check_trusted(self) -> None:
+        """Refuse a store another user owns or could write: a restore hands what it reads to
+        CRIU running as root, so whoever can write the store could run code as root."""
+        euid = os.geteuid()
+        for path in (self.root, self.root / "index.json", self.root / "blobs", self.blobs):
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            if st.st_uid != euid:
+                raise UntrustedStoreError(
+                    "capsule store %s: %s is owned by uid %d, not by the user restoring (uid %d): restore only from a store you own (chown -R %d %s)"
+                    % (self.root, path, st.st_uid, euid, euid, self.root)
+                )
+            if st.st_mode & 0o022:
+                raise UntrustedStoreError(
+                    "capsule store %s: %s is writable by %s: restore only from a store no one else can change (chmod go-w %s)"
+                    % (self.root, path, "others" if st.st_mode & 0o002 else "its group", path)
+                )
 
     def init(self) -> CapsuleStore:
         """Create the layout if missing; check it if present."""
-        if self.root.exists() and not self.root.is_dir():
-            raise RequestError("capsule store %s is not a directory: point the store elsewhere" % self.root)
+        self.check_directory()
         layout = self.root / "oci-layout"
         if layout.exists():
             try:
@@ -150,7 +183,10 @@ class CapsuleStore:
                 raise StoreError("capsule store %s has OCI layout version %r; only 1.0.0 is supported" % (self.root, doc.get("imageLayoutVersion")))
         else:
             try:
-                self.blobs.mkdir(parents=True, exist_ok=True)
+                # Capsules hold process memory: the store is not for other users to read or change.
+                self.root.mkdir(mode=0o750, parents=True, exist_ok=True)
+                (self.root / "blobs").mkdir(mode=0o750, exist_ok=True)
+                self.blobs.mkdir(mode=0o750, exist_ok=True)
             except OSError as err:
                 raise StoreError(explain_os_error(err, self.root)) from err
             write_bytes(layout, json.dumps(LAYOUT_VERSION).encode())
@@ -160,16 +196,26 @@ class CapsuleStore:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        """Serialize read-modify-write of index.json across processes."""
+        """Serialize changes to the index and ``blobs/`` across processes (reentrant in one)."""
+        key = os.path.realpath(self.root)
+        if _HELD.get(key):
+            _HELD[key] += 1
+            try:
+                yield
+            finally:
+                _HELD[key] -= 1
+            return
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as err:
             raise StoreError(explain_os_error(err, self.root)) from err
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
+            _HELD[key] = 1
             yield
         finally:
+            _HELD.pop(key, None)
             os.close(fd)
 
     # -- blobs ----------------------------------------------------------
@@ -194,21 +240,27 @@ class CapsuleStore:
                 return
             with open(staged, "rb") as f:
                 os.fsync(f.fileno())
-            os.chmod(staged, 0o444)
+            os.chmod(staged, BLOB_MODE)
             os.replace(staged, target)
             fsync_dir(target.parent)
         except OSError as err:
             raise StoreError(explain_os_error(err, target)) from err
 
     def put_bytes(self, data: bytes, media_type: str, annotations: dict[str, str] | None = None, artifact_type: str | None = None) -> Descriptor:
+        """Write a small blob that is referenced already or will be by a tag written under the lock
+        (tests and the registry verbs); a capsule's own blobs arrive through ``commit``."""
+        with self.locked():
+            self._put_bytes_locked(data)
+        return Descriptor(media_type, sha256_bytes(data), len(data), annotations, artifact_type)
+
+    def _put_bytes_locked(self, data: bytes) -> None:
         digest = sha256_bytes(data)
         if not self.has_blob(digest, len(data)):
             try:
                 self.blobs.mkdir(parents=True, exist_ok=True)
             except OSError as err:
                 raise StoreError(explain_os_error(err, self.blobs)) from err
-            write_bytes(self.blob_path(digest), data, mode=0o444)
-        return Descriptor(media_type, digest, len(data), annotations, artifact_type)
+            write_bytes(self.blob_path(digest), data, mode=BLOB_MODE)
 
     def put_json(self, doc: dict[str, Any], media_type: str, **kw: Any) -> Descriptor:
         return self.put_bytes(canonical_json(doc), media_type, **kw)
@@ -265,7 +317,7 @@ class CapsuleStore:
 
     def _write_index(self, manifests: list[dict[str, Any]]) -> None:
         doc = {"schemaVersion": 2, "mediaType": media.OCI_INDEX, "manifests": manifests}
-        write_bytes(self.root / "index.json", (json.dumps(doc, indent=2) + "\n").encode())
+        write_bytes(self.root / "index.json", (json.dumps(doc, indent=2) + "\n").encode(), mode=0o640)
 
     def entries(self) -> list[IndexEntry]:
         if not self.exists():
@@ -287,6 +339,34 @@ class CapsuleStore:
             manifests = [m for m in self._read_index()["manifests"] if (m.get("annotations") or {}).get(media.A_REF_NAME) != full]
             manifests.append(entry)
             self._write_index(manifests)
+
+    def commit(self, ref: str, manifest: Descriptor, *, files: list[tuple[Path, str, int]], documents: list[bytes]) -> None:
+        """Move staged blob files into ``blobs/``, write small blobs, and point *ref* at *manifest*,
+        all under the store lock.
+
+        A blob enters ``blobs/`` only together with the tag that references it, so under the
+        lock a blob nothing references is garbage: left by a write that was interrupted between
+        the two (a killed process), and swept here before this write adds its own.
+        """
+        from sparkrun_coldsnap.capsule import gc
+
+        with self.locked():
+            gc.collect_locked(self, apply=True, transfers=False)
+            for path, digest, size in files:
+                self.publish_blob_file(path, digest, size)
+            for data in documents:
+                self._put_bytes_locked(data)
+            doc = json.loads(self.read_blob(manifest))
+            needed = [Descriptor.from_json(d) for d in [doc.get("config"), *(doc.get("layers") or [])] if isinstance(d, dict)]
+            missing = [d.digest for d in needed if not self.has_blob(d.digest, d.size)]
+            if missing:
+                raise StoreError("blob %s of %s was removed from the store %s while it was being written: run the command again" % (short(missing[0]), ref, self.root))
+            name, tag = split_ref(ref)
+            annotations = dict(manifest.annotations or {})
+            annotations[media.A_REF_NAME] = "%s:%s" % (name, tag)
+            entry = Descriptor(manifest.media_type, manifest.digest, manifest.size, annotations, manifest.artifact_type).to_json()
+            manifests = [m for m in self._read_index()["manifests"] if (m.get("annotations") or {}).get(media.A_REF_NAME) != "%s:%s" % (name, tag)]
+            self._write_index([*manifests, entry])
 
     def resolve(self, ref: str) -> IndexEntry:
         """Find a manifest by ``name[:tag]``, by digest, or by a unique digest prefix."""
@@ -342,20 +422,6 @@ class CapsuleStore:
                         stack.append(Descriptor.from_json(d))
         return seen
 
-    def gc(self) -> tuple[int, int]:
-        """Delete unreferenced blobs; returns (count, bytes) removed."""
-        with self.locked():
-            keep = {hex_of(d) for d in self.referenced_blobs()}
-            count = size = 0
-            if self.blobs.is_dir():
-                for p in self.blobs.iterdir():
-                    if p.name not in keep:
-                        size += p.stat().st_size
-                        p.unlink()
-                        count += 1
-            shutil.rmtree(self.staging, ignore_errors=True)
-        return count, size
-
     def staging_dir(self, prefix: str):  # -> contextmanager[Path]
         return staging_dir(self.staging, prefix)
 
@@ -363,7 +429,7 @@ class CapsuleStore:
         """A private directory the caller removes itself (it outlives one call)."""
         try:
             self.staging.mkdir(parents=True, exist_ok=True)
-            return Path(tempfile.mkdtemp(prefix=prefix, dir=self.staging))
+            return Path(tempfile.mkdtemp(prefix=owned_prefix(prefix), dir=self.staging))
         except OSError as err:
             raise StoreError(explain_os_error(err, self.staging)) from err
 

@@ -161,7 +161,6 @@ def publish(
         doc["subject"] = {"mediaType": subject.media_type, "digest": subject.digest, "size": subject.size}
         doc["annotations"] = {**doc.get("annotations", {}), A_WEIGHTS_ARTIFACT: subject.digest}
         manifest_bytes = canonical_json(doc)
-        store.put_bytes(manifest_bytes, media.OCI_MANIFEST)  # keep the published form locally too
     digest = client.put_manifest(manifest_bytes, media.OCI_MANIFEST, sha256_bytes(manifest_bytes))
     tag = target.tag or cap.config.tag
     client.put_manifest(manifest_bytes, media.OCI_MANIFEST, tag)
@@ -175,16 +174,16 @@ def publish(
     return PublishResult(str(target.with_tag(tag)), digest, pushed, present, weights_digest, native_digest)
 
 
-def _fetch(client: RegistryClient, store: CapsuleStore, d: Descriptor, tick) -> bool:
-    """Bring blob *d* into the store unless it is already there; False if it was."""
+def _fetch(client: RegistryClient, store: CapsuleStore, d: Descriptor, tick) -> Path | None:
+    """Download blob *d* into the store's staging unless the store has it (None); the verified
+    file stays there until the pull commits it with its tag."""
     if store.has_blob(d.digest, d.size):
         if tick:
             tick(d.size)
-        return False
+        return None
     partial = store.staging / "downloads" / (d.digest.split(":")[1] + ".partial")
     client.fetch_blob(d.digest, d.size, partial, tick=tick)
-    store.publish_blob_file(partial, d.digest, d.size)
-    return True
+    return partial
 
 
 @dataclass(frozen=True)
@@ -208,17 +207,29 @@ def pull(client: RegistryClient, ref: Reference, store: CapsuleStore, *, local_r
     store.init()
     config_desc = Descriptor.from_json(doc["config"])
     layers = [Descriptor.from_json(d) for d in doc.get("layers") or []]
-    fetched = 0
+    files: list[tuple[Path, str, int]] = []
     with progress.transfer("pulling %s" % ref, sum(d.size for d in [config_desc, *layers])) as tick:
-        fetched += _fetch(client, store, config_desc, tick)
-        config = parse_config(digest, store.read_json(config_desc))
+        got = _fetch(client, store, config_desc, tick)
+        config_bytes = got.read_bytes() if got is not None else store.read_blob(config_desc)
+        config = parse_config(digest, _json_object(config_bytes, config_desc))
+        files += [(got, config_desc.digest, config_desc.size)] if got is not None else []
         for d in layers:
-            fetched += _fetch(client, store, d, tick)
-    store.put_bytes(data, media.OCI_MANIFEST)
+            got = _fetch(client, store, d, tick)
+            files += [(got, d.digest, d.size)] if got is not None else []
     name, tag = split_ref(local_ref) if local_ref else (config.name, ref.tag or config.tag)
-    # The tag is written last: until then the pulled blobs are unreferenced and invisible.
-    store.tag("%s:%s" % (name, tag), Descriptor(media.OCI_MANIFEST, digest, len(data), artifact_type=media.ARTIFACT_TYPE))
-    return PullResult(open_capsule(store, "%s:%s" % (name, tag)), fetched, len(layers) + 1 - fetched)
+    # Blobs and tag in one step under the store lock: until then the pull is invisible.
+    store.commit("%s:%s" % (name, tag), Descriptor(media.OCI_MANIFEST, digest, len(data), artifact_type=media.ARTIFACT_TYPE), files=files, documents=[data])
+    return PullResult(open_capsule(store, "%s:%s" % (name, tag)), len(files), len(layers) + 1 - len(files))
+
+
+def _json_object(data: bytes, d: Descriptor) -> dict[str, Any]:
+    try:
+        doc = json.loads(data)
+    except ValueError as err:
+        raise IntegrityError("blob %s is not JSON: %s" % (short(d.digest), err)) from err
+    if not isinstance(doc, dict):
+        raise IntegrityError("blob %s is not a JSON object" % short(d.digest))
+    return doc
 
 
 def weights_subject(cap: Capsule) -> str | None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 
 from sparkrun_coldsnap.documents import settings as settings_mod
-from sparkrun_coldsnap.errors import ColdsnapError
+from sparkrun_coldsnap.errors import ColdsnapError, coldsnap_cause
 
 
 class _Group(click.Group):
@@ -43,6 +43,10 @@ class _Group(click.Group):
             settings = settings_mod.current()
             if settings.debug:
                 raise
+            ours = coldsnap_cause(err)
+            if ours is not None:  # ours, wrapped by sparkrun: its own line and exit code, no wrapper sentence
+                click.echo("Error: %s" % ours.message, err=True)
+                ctx.exit(ours.exit_code)
             text = str(err).strip().splitlines()
             where = write_traceback(err)
             click.echo("Error: %s%s" % (text[0] if text else type(err).__name__, " (traceback: %s)" % where if where else ""), err=True)

@@ -11,6 +11,7 @@ import yaml
 
 from sparkrun_coldsnap.capsule.store import CapsuleStore, choose_store
 from sparkrun_coldsnap.documents.recipe_block import parse_block
+from sparkrun_coldsnap.documents.request import revision_problem
 from sparkrun_coldsnap.errors import RequestError
 
 
@@ -73,6 +74,11 @@ def check_recipe_file(recipe: str, *, need_block: bool = True) -> dict[str, Any]
         raise RequestError("%s has no coldsnap: block: add `coldsnap: {}` to capture or restore it" % recipe)
     if "coldsnap" in doc:
         parse_block(doc["coldsnap"], source=recipe)
+        if not doc.get("model"):
+            raise RequestError("%s: model is missing: name the model a capsule is captured from (model: ORG/NAME)" % recipe)
+        problem = revision_problem(doc.get("model_revision"))
+        if problem:
+            raise RequestError("%s: %s" % (recipe, problem))
     return doc
 
 

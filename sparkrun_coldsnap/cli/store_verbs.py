@@ -5,9 +5,11 @@ from __future__ import annotations
 import click
 
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
+from sparkrun_coldsnap.capsule import gc
 from sparkrun_coldsnap.cli.common import emit_json, open_store, plain_store_option
 from sparkrun_coldsnap.digests import short
 from sparkrun_coldsnap.errors import ColdsnapError
+from sparkrun_coldsnap.host import leftovers
 from sparkrun_coldsnap.progress import Progress
 from sparkrun_coldsnap.weights import native_payload
 
@@ -128,12 +130,42 @@ def delete(capsule, store, keep_native):
     except ColdsnapError:  # damaged: deleting it must still work
         native = None
     entry = s.untag(capsule)
-    count, size = s.gc()
-    click.echo("deleted %s (%s); freed %d blobs, %.1f MB" % (entry.ref or capsule, short(entry.descriptor.digest), count, size / 1e6))
+    freed = gc.collect(s, apply=True, transfers=False)
+    click.echo("deleted %s (%s); freed %d blobs, %.1f MB" % (entry.ref or capsule, short(entry.descriptor.digest), len(freed.blobs), freed.bytes / 1e6))
     if native is not None and not keep_native and native.digest not in _native_digests(s):
         freed = native_payload.remove(native)
         if freed:
             click.echo("removed its native weight payload %s, %.1f MB" % (short(native.digest), freed / 1e6))
 
 
-COMMANDS = [list_capsules, inspect, verify, delete]
+@click.command("gc")
+@plain_store_option
+@click.option("--yes", "--apply", "apply", is_flag=True, help="Free what is shown (without it, only show).")
+@click.option("--json", "as_json", is_flag=True, help="Print what was found (and freed) as JSON.")
+def collect_garbage(store, apply, as_json):
+    """Show what the store holds that nothing needs (blobs no capsule references, staging left by
+    interrupted operations, partial transfers); --yes frees it."""
+    s = open_store(store)
+    found = gc.collect(s, apply=apply)
+    if apply:
+        # Also what a capture killed outright left on the host: its engine, io_uring switched off.
+        recovered = leftovers.recover()
+        for what in recovered.stopped:
+            click.echo("stopped %s" % what, err=as_json)
+        if recovered.io_uring is not None:
+            click.echo("put kernel.io_uring_disabled back to %s" % recovered.io_uring, err=as_json)
+    if as_json:
+        emit_json({"store": str(s.root), "applied": apply, **found.to_json()})
+        return
+    if not found.items:
+        click.echo("nothing to free in %s" % s.root)
+        return
+    for label, rows in (("blob", found.blobs), ("staging", found.staging), ("transfer", found.transfers)):
+        for path, size in rows:
+            click.echo("%-8s %9.1f MB  %s" % (label, size / 1e6, path))
+    verb = "freed" if apply else "would free"
+    click.echo("%s %d blobs, %d staging directories, %d partial transfers: %.1f MB%s" % (
+        verb, len(found.blobs), len(found.staging), len(found.transfers), found.bytes / 1e6, "" if apply else "; run with --yes to free them"))  # fmt: skip
+
+
+COMMANDS = [list_capsules, inspect, verify, delete, collect_garbage]

@@ -113,6 +113,10 @@ def admission(
             problems.append("the model directory of %s is unknown on this host: download revision %s" % (cfg.weights.model_id, cfg.weights.revision))
         else:
             problems += model_files.verify(Path(req.workload.model.path), cfg.weights.files)
+    elif req.workload.model.path:
+        # The weights travel inside the images, but the capsule stays bound to the snapshot it
+        # records: a pinned revision whose files here differ is not the revision it was captured from.
+        problems += model_files.verify(Path(req.workload.model.path), cfg.weights.files)
     choice = None
     if cfg.weights.location == "external" and not driver.engine_loads_weights:
         choice = weight_paths.choose(cfg, req.workload.weights, adapter)

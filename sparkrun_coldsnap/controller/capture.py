@@ -13,6 +13,7 @@ from sparkrun_coldsnap.capsule.capsule import Capsule
 from sparkrun_coldsnap.capsule.config import CapsuleConfig, CapturedValidation, EngineRecord, NativePayload, WeightsRecord
 from sparkrun_coldsnap.capsule.pack import pack_unit
 from sparkrun_coldsnap.capsule.store import CapsuleStore
+from sparkrun_coldsnap.compat import pinning
 from sparkrun_coldsnap.controller.common import Attempt, Resolved, finish, resolve, validate, wait_ready
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder, Validation
@@ -20,8 +21,8 @@ from sparkrun_coldsnap.documents.request import CaptureRequest, LaunchUnit
 from sparkrun_coldsnap.documents.settings import Settings
 from sparkrun_coldsnap.drivers.base import UnitImage
 from sparkrun_coldsnap.engines.base import Endpoint
-from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, ValidationError
-from sparkrun_coldsnap.host import disk_room, paths
+from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, RequestError, ValidationError
+from sparkrun_coldsnap.host import disk_room, leftovers, paths
 from sparkrun_coldsnap.host.facts import host_facts
 from sparkrun_coldsnap.host.iouring import io_uring_disabled
 from sparkrun_coldsnap.host.ports import port_holder
@@ -60,9 +61,14 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, settings: Settings | No
     settings = settings or settings_mod.current()
     rb = ReceiptBuilder("capture", request_sha256=req.digest())
     rb.capsule_ref = req.capsule.ref
+    rb.secrets = req.workload.secret_values()
     w = req.workload
     with settings_mod.using(settings), Attempt(rb) as attempt:
         with rb.phase("admission"):
+            # What a capture killed outright left (its engine on the port, io_uring off) is undone first.
+            recovered = leftovers.recover()
+            if recovered.stopped:
+                rb.details["recovered"] = list(recovered.stopped)
             r = resolve(w, settings)
             support = r.driver.support(host_facts())
             if not support.ok:
@@ -73,9 +79,17 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, settings: Settings | No
             if len(w.topology.units) != 1:
                 raise CaptureError("this capture path handles one launch unit on the local host; the recipe places %d" % len(w.topology.units))
             r.launcher.check_capturable()
+            pin_problem = pinning.launch_problem(w, r.adapter)
+            if pin_problem:
+                raise RequestError(pin_problem)
+            if not w.model.path:
+                raise RequestError(
+                    "the pinned snapshot of %s@%s is not in the model cache (HF_HOME): a capsule is bound to the files of that snapshot; download that revision first"
+                    % (w.model.id, w.model.revision)
+                )
             store.init()
         with rb.phase("model_digests"):
-            recorded_files = model_files.record(Path(w.model.path)) if w.model.path else ()
+            recorded_files = model_files.record(Path(w.model.path))
         native_wanted = weight_paths.writes_native(w, r.driver, r.adapter)
         command, env = r.adapter.prepare_launch(
             w.launch.command, r.launcher.engine_env(w, r.engine_env, settings.environ), release_weights=r.driver.needs_release, native_weights=native_wanted
@@ -91,6 +105,8 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, settings: Settings | No
             with rb.phase("launch"):
                 t0 = time.monotonic()
                 unit = attempt.running = r.launcher.start(w, command, env, log_path=log_path, name="coldsnap-capture-%s" % req.capsule.name)
+            leftovers.adopt(unit.root_pid, "the engine of a capture of %s" % req.capsule.ref)
+            stack.callback(leftovers.release, unit.root_pid)
             run = CaptureRun(
                 req, r, settings, rb, progress, unit_def, log_path, staging / "units" / unit_def.name,
                 r.adapter.endpoint(w.launch.command, w.model.id, w.launch.port), unit, t0, native_wanted,
@@ -101,6 +117,11 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, settings: Settings | No
             attempt.running = None
             unit.stop(grace=10.0)
             unit.reap()
+            with rb.phase("model_check"):
+                # The digests recorded before the launch must still describe the files the engine read.
+                changed = model_files.verify(Path(w.model.path), recorded_files)
+            if changed:
+                raise CaptureError("the model files changed while the engine loaded them: %s; capture again" % "; ".join(changed))
             with rb.phase("pack"), progress.transfer("packing %.1f MB of process images" % (image.image_bytes / 1e6), image.image_bytes) as tick:
                 layers = pack_unit(run.images, unit_def.name, staging, tick=tick)
             config = CapsuleConfig(
@@ -152,6 +173,13 @@ def _checkpoint_at_capture_point(run: CaptureRun) -> tuple[UnitImage, Validation
         # What the tree depends on, as it is now: a restore compares it first (a host
         # library upgraded since is refused before eviction, not inside criu restore).
         files = r.launcher.record_files(run.unit, skip=[str(run.log_path)])
+    model_dir = run.req.workload.model.path
+    foreign = pinning.foreign_model_files([f.path for f in files], model_dir) if model_dir else []
+    if foreign:
+        raise CaptureError(
+            "the engine loaded %s, which is not a file of the pinned snapshot %s: the capsule would not hold the weights it records; pass the pinned revision to the engine"
+            % (foreign[0] if len(foreign) == 1 else "%s (and %d more)" % (foreign[0], len(foreign) - 1), model_dir)
+        )
     with rb.phase("checkpoint"), progress.waiting("checkpointing the process tree") as tick:
         image = r.launcher.checkpoint(r.driver, run.unit, run.images, unit_def=run.unit_def, progress=lambda m: tick(0, m))
     image = image.model_copy(update={"files": files})

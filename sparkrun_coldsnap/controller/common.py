@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from sparkrun_coldsnap import extensions
+from sparkrun_coldsnap import extensions, secrets
 from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder, Validation
 from sparkrun_coldsnap.documents.request import CaptureRequest, RestoreRequest, Workload
 from sparkrun_coldsnap.documents.settings import Settings
@@ -95,11 +95,20 @@ class Attempt:
         if self.running is not None:
             try:
                 self.running.stop(grace=5.0)
+                self.running.reap()
+                # Say where things stand now: whatever the failure said of the tree at the
+                # time, the engine this operation started is no longer running.
+                self.rb.details["workload_state"] = "stopped"
+                if isinstance(err, ColdsnapError):
+                    err.args = ("%s; the engine this %s started has been stopped" % (err.message, self.rb.operation),)
             except Exception as stop_failed:  # noqa: BLE001 - reported beside the first error
+                self.rb.details["workload_state"] = "unknown"
                 err.args = (describe_cleanup_failure(err, stop_failed),)
         for cleanup in self._cleanups:
             cleanup()
         if isinstance(err, ColdsnapError):
+            if self.rb.secrets:  # the message is printed and logged too
+                err.args = (secrets.scrub(err.message, self.rb.secrets),)
             err.receipt = finish(self.rb, err)
         return False
 

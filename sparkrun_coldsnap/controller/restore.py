@@ -22,6 +22,7 @@ from sparkrun_coldsnap.documents.request import RestoreRequest
 from sparkrun_coldsnap.documents.settings import Settings
 from sparkrun_coldsnap.errors import CompatibilityError, RestoreError, ValidationError
 from sparkrun_coldsnap.host import paths
+from sparkrun_coldsnap.host.atomic import owned_prefix
 from sparkrun_coldsnap.host.ports import port_holder_settled
 from sparkrun_coldsnap.launch.base import StagedUnit
 from sparkrun_coldsnap.progress import QUIET, Progress
@@ -33,7 +34,7 @@ def new_restore_staging(store: CapsuleStore, unpacked_bytes: int) -> Path:
     memory = paths.memory_staging(unpacked_bytes)
     if memory is not None:
         memory.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix="restore-", dir=memory))
+        return Path(tempfile.mkdtemp(prefix=owned_prefix("restore-"), dir=memory))
     return store.new_staging_dir("restore-")
 
 
@@ -66,9 +67,11 @@ def prepare_restore(req: RestoreRequest, *, store: CapsuleStore, settings: Setti
     settings = settings or settings_mod.current()
     rb = ReceiptBuilder("restore", request_sha256=req.digest())
     rb.capsule_ref = req.capsule.ref
+    rb.secrets = req.workload.secret_values()
     t = time.monotonic()
     with settings_mod.using(settings), Attempt(rb) as attempt:
         with rb.phase("prepare.open"):
+            store.check_trusted()
             cap = capsule_mod.open_capsule(store, req.capsule.ref)
             rb.capsule = cap.digest
         with rb.phase("prepare.admission"):

@@ -26,6 +26,7 @@ def start_vanilla(
     if because:
         rb.details["instead_of_restore"] = because
     w = req.workload
+    rb.secrets = req.workload.secret_values()
     with settings_mod.using(settings), Attempt(rb) as attempt:
         r = resolve(w, settings)
         holder = port_holder(w.launch.port)

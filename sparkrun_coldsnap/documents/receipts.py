@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from sparkrun_coldsnap import __version__
+from sparkrun_coldsnap import __version__, secrets
 from sparkrun_coldsnap.documents.strict import Strict
 from sparkrun_coldsnap.errors import ColdsnapError
 from sparkrun_coldsnap.host.atomic import write_bytes
@@ -44,6 +44,7 @@ class Validation(Strict):
 class ErrorInfo(Strict):
     code: str
     message: str
+    phase: str | None = Field(None, description="The phase that was running when the operation failed, else the last one that ran (its result was refused).")
 
 
 class Weights(Strict):
@@ -92,6 +93,9 @@ class ReceiptBuilder:
         self.weights: Weights | None = None
         self.details: dict[str, Any] = {}
         self._phases: list[Phase] = []
+        self.failed_phase: str | None = None
+        #: secret values the operation's workload carries: never written into the receipt.
+        self.secrets: tuple[str, ...] = ()
         self._wall0 = time.time()
         self._t0 = time.monotonic()
 
@@ -100,6 +104,10 @@ class ReceiptBuilder:
         t = time.monotonic()
         try:
             yield
+        except BaseException:
+            # Phases nest (a step inside a phase): the innermost one that failed names the failure.
+            self.failed_phase = self.failed_phase or name
+            raise
         finally:
             self._phases.append(Phase(name=name, seconds=round(time.monotonic() - t, 4)))
 
@@ -116,8 +124,9 @@ class ReceiptBuilder:
         info = None
         if error is not None:
             code = error.code if isinstance(error, ColdsnapError) else "internal.error"
-            info = ErrorInfo(code=code, message=str(error) or type(error).__name__)
-        return Receipt(
+            phase = self.failed_phase or (self._phases[-1].name if self._phases else None)
+            info = ErrorInfo(code=code, message=str(error) or type(error).__name__, phase=phase)
+        receipt = Receipt(
             operation=self.operation,
             state=state,
             request_sha256=self.request_sha256,
@@ -133,10 +142,16 @@ class ReceiptBuilder:
             error=info,
             details=self.details,
         )
+        if not self.secrets:
+            return receipt
+        # An error may quote an engine's log line, which may echo its arguments.
+        text = secrets.scrub(receipt.model_dump_json(), [json.dumps(s)[1:-1] for s in self.secrets])
+        return Receipt.model_validate_json(text)
 
 
 def write_receipt(receipt: Receipt, path: Path) -> Path:
-    write_bytes(Path(path), (json.dumps(receipt.model_dump(mode="json"), indent=2) + "\n").encode())
+    # Not for other users: a receipt names hosts, paths and the validation exchange.
+    write_bytes(Path(path), (json.dumps(receipt.model_dump(mode="json"), indent=2) + "\n").encode(), mode=0o640)
     return Path(path)
 
 

@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from sparkrun_coldsnap import secrets
 from sparkrun_coldsnap.digests import canonical_json, sha256_bytes
 from sparkrun_coldsnap.documents.strict import Strict
 
@@ -19,17 +20,24 @@ REQUEST_FORMAT: Literal[1] = 1
 
 _REVISION_RE = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")
 _PINNED_IMAGE_RE = re.compile(r"^[^@\s]+@sha256:[0-9a-f]{64}$")
-# Values of variables whose names look like credentials never leave the host
-# in clear: requests, capsules and receipts keep their digest instead.
-_SECRET_NAME_RE = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_KEY|ACCESS_KEY)", re.I)
 
 
 def is_immutable_revision(value: str) -> bool:
     return bool(_REVISION_RE.match(value or ""))
 
 
+def revision_problem(value: object) -> str | None:
+    """Why a recipe's ``model_revision`` cannot bind a capsule to its weights (None: it can)."""
+    if value is None or value == "":
+        return "model_revision is missing: a capsule is bound to exact weights; pin the model's commit hash (model_revision: <40 hex digits>)"
+    if not is_immutable_revision(str(value)):
+        return "model_revision %r is not immutable: a capsule is bound to exact weights, pin the commit hash (40 hex digits)" % str(value)
+    return None
+
+
 def redact_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: (sha256_bytes(v.encode()) if _SECRET_NAME_RE.search(k) and not v.startswith("sha256:") else v) for k, v in env.items()}
+    """Values of variables named like credentials replaced by their digest: what may be stored."""
+    return secrets.redact_env(env)
 
 
 class ModelRef(Strict):
@@ -93,7 +101,12 @@ class Workload(Strict):
 
     def redacted(self) -> Workload:
         """This workload with credential-like env values replaced by their digest: what may be stored."""
-        return self.model_copy(update={"launch": self.launch.model_copy(update={"env": redact_env(self.launch.env)})})
+        launch = self.launch.model_copy(update={"env": redact_env(self.launch.env), "command": secrets.redact_command(self.launch.command)})
+        return self.model_copy(update={"launch": launch})
+
+    def secret_values(self) -> tuple[str, ...]:
+        """The secrets this workload carries, for scrubbing free text (errors quoting a log line)."""
+        return secrets.values_in(self.launch.env, [self.launch.command])
 
 
 class ValidationSpec(Strict):

@@ -88,15 +88,15 @@ class CpuDriver(CriuDriver):
         )
 
     def prepare_container(self, unit: UnitImage, images: Path, spec: Any, temp_name: str) -> Any:
-        from sparkrun_coldsnap.launch import docker as docker_unit
+        from sparkrun_coldsnap.launch import container_restore
 
-        return docker_unit.prepare_restore(spec, images, temp_name)
+        return container_restore.prepare_restore(spec, images, temp_name)
 
     def start_container(self, prepared: Any, name: str, progress: Progress) -> Any:
-        from sparkrun_coldsnap.launch import docker as docker_unit
+        from sparkrun_coldsnap.launch import container_restore
 
         progress("docker start --checkpoint")
-        return docker_unit.start_from_checkpoint(prepared, name)
+        return container_restore.start_from_checkpoint(prepared, name)
 
 
 @hookimpl

@@ -13,6 +13,7 @@ from __future__ import annotations
 import platform
 import re
 import shutil
+import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,7 +124,21 @@ def log_tail(log_path: Path, lines: int = 4) -> str:
     try:
         text = Path(log_path).read_text(errors="replace").splitlines()
     except OSError:
-        return "(no criu log)"
-    errors = [l for l in text if "Error" in l and "RLIMIT_NOFILE" not in l]
-    pick = errors[-lines:] if errors else text[-lines:]
-    return " | ".join(l.strip() for l in pick)
+        return "no criu log was written"
+    # The rlimit line is harmless and always there: quoting it would blame the wrong thing.
+    text = [l for l in text if "RLIMIT_NOFILE" not in l and l.strip()]
+    errors = [l for l in text if "Error" in l]
+    if not errors:
+        return "its log has no error line (last: %s)" % text[-1].strip() if text else "its log is empty"
+    return " | ".join(l.strip() for l in errors[-lines:])
+
+
+def how_it_ended(returncode: int) -> str:
+    """A CRIU exit status in words: a signal is named (a kill from outside, not CRIU's own error)."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "an unknown signal"
+        return "was ended by signal %d (%s) before it finished" % (-returncode, name)
+    return "failed (exit %d)" % returncode

@@ -25,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -32,7 +33,7 @@ import psutil
 from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.drivers import tree_inspect
 from sparkrun_coldsnap.drivers.base import Progress, SharedFile, UnitImage
-from sparkrun_coldsnap.drivers.criu_tool import Criu, log_tail
+from sparkrun_coldsnap.drivers.criu_tool import Criu, how_it_ended, log_tail
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
 from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.host.process_tree import fd_targets, kill_tree, shared_memory_files, tree_pids, users_of
@@ -88,9 +89,17 @@ def dump(
     if leave_running:
         args.append("--leave-running")
     progress("criu dump of %d processes" % len(pids))
+    before_dump = _stopped(pids)
     done = criu.run(args, timeout=1800, what="criu dump")
     if done.returncode != 0:
-        raise CaptureError("criu dump of pid %d failed: %s; the workload was left running" % (root_pid, log_tail(images / DUMP_LOG)))
+        # A CRIU that did not finish (killed) leaves the link-remap files it made: they would
+        # make the next dump of the same tree fail ("File exists").
+        for leftover in _listing(dirs) - before:
+            leftover.unlink(missing_ok=True)
+        state = resume_after_failed_dump(pids, already_stopped=before_dump)
+        raise CheckpointFailed(
+            "criu dump of pid %d %s: %s; %s" % (root_pid, how_it_ended(done.returncode), log_tail(images / DUMP_LOG), state.describe()), tree_running=state.running
+        )
     remaps = sorted(_listing(dirs) - before)
     saved = _save_shared(images, [Path(p) for p in shared] + remaps, owner_gone=not leave_running)
     size = sum(f.stat().st_size for f in images.rglob("*") if f.is_file())
@@ -108,6 +117,69 @@ def dump(
         image_bytes=size,
         criu_version=criu.version,
     )
+
+
+class CheckpointFailed(CaptureError):
+    """A dump that did not finish; says whether the tree it was dumping still runs."""
+
+    def __init__(self, message: str, *, tree_running: bool) -> None:
+        super().__init__(message)
+        self.tree_running = tree_running
+
+
+@dataclass(frozen=True)
+class TreeState:
+    alive: int
+    total: int
+    resumed: int
+
+    @property
+    def running(self) -> bool:
+        return self.alive == self.total
+
+    def describe(self) -> str:
+        if self.alive == 0:
+            return "the process tree is gone"
+        if self.alive < self.total:
+            return "%d of the tree's %d processes are gone" % (self.total - self.alive, self.total)
+        return "the process tree is still running%s" % (" (%d resumed from a stop)" % self.resumed if self.resumed else "")
+
+
+def _stopped(pids: tuple[int, ...]) -> set[int]:
+    out = set()
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+                out.add(pid)
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def resume_after_failed_dump(pids: tuple[int, ...], *, already_stopped: set[int]) -> TreeState:
+    """What a dump that ended early left of the tree, with any process it left stopped resumed.
+
+    CRIU seizes the tree with ptrace; when CRIU is killed the kernel detaches the tracees,
+    but a task caught in a group stop stays stopped: it is continued, unless it was
+    stopped before the dump began.
+    """
+    alive = resumed = 0
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            status = p.status()
+        except psutil.NoSuchProcess:
+            continue
+        if status == psutil.STATUS_ZOMBIE:
+            continue
+        alive += 1
+        if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP) and pid not in already_stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+                resumed += 1
+            except ProcessLookupError:
+                alive -= 1
+    return TreeState(alive=alive, total=len(pids), resumed=resumed)
 
 
 def _save_shared(images: Path, files: list[Path], *, owner_gone: bool) -> list[SharedFile]:
@@ -174,6 +246,32 @@ def _place_shared(unit: UnitImage, images: Path) -> list[Path]:
     return placed
 
 
+def _stop_partly_restored(pids: tuple[int, ...], *, before: set[int], settle: float = 3.0) -> None:
+    """Kill what a CRIU restore that did not finish (killed, or failed late) brought back.
+
+    Such processes sit on the captured PIDs, which admission found free: one that was there
+    before this restore began (*before*) is someone else's and is left alone. A half-restored
+    task may still fork the rest of its tree after CRIU is gone, so this repeats until none
+    is left running (or *settle* seconds).
+    """
+    deadline = time.monotonic() + settle
+    while True:
+        alive = []
+        for pid in pids:
+            if pid in before:
+                continue
+            try:
+                p = psutil.Process(pid)
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    p.kill()
+                    alive.append(pid)
+            except psutil.Error:
+                continue
+        if not alive or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
+
+
 def lazy_pages_supported(criu: Criu) -> bool:
     """Can this kernel and CRIU restore memory on demand (userfaultfd)?"""
     if not settings.current().lazy_pages:
@@ -234,6 +332,7 @@ def restore(
     pidfile = paths.run_dir() / ("restore-%d-%s.pid" % (os.getpid(), unit.name))
     pidfile.parent.mkdir(parents=True, exist_ok=True)
     pidfile.unlink(missing_ok=True)
+    occupied = {pid for pid in unit.pids if psutil.pid_exists(pid)}
     t_files = time.monotonic()
     placed = _place_shared(unit, images)
     log.debug("placed %d shared files in %.3f s", len(placed), time.monotonic() - t_files)
@@ -258,7 +357,8 @@ def restore(
             _stop_daemon(daemon)
         for p in placed:
             p.unlink(missing_ok=True)
-        raise RestoreError("criu restore of unit %s failed after %.1f s: %s" % (unit.name, time.monotonic() - t, log_tail(images / RESTORE_LOG)))
+        _stop_partly_restored(unit.pids, before=occupied)
+        raise RestoreError("criu restore of unit %s %s (after %.1f s): %s" % (unit.name, how_it_ended(done.returncode), time.monotonic() - t, log_tail(images / RESTORE_LOG)))
     if daemon is not None and owned_dir is not None and daemon.poll() is not None:
         # A small tree's pages can all be delivered before criu restore has finished writing
         # its statistics there: the daemon's removal then raced it, so remove again.

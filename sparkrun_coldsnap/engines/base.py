@@ -65,6 +65,9 @@ class EngineAdapter(ABC):
     template_preload: ClassVar[tuple[str, ...]] = ()
     #: console scripts and the module each one runs, for the template launcher.
     console_scripts: ClassVar[dict[str, str]] = {}
+    #: the serve flags that name the model (a repo id or a directory) and pin its revision.
+    model_flags: ClassVar[tuple[str, ...]] = ("--model",)
+    revision_flag: ClassVar[str] = "--revision"
 
     # -- identity -------------------------------------------------------
 

@@ -27,6 +27,7 @@ RELEASED = ["weights", "kv_cache"]
 
 
 class SglangAdapter(EngineAdapter):
+    model_flags = ("--model-path", "--model")
     name = "sglang"
     runtimes = ("sglang",)
     distributions = ("sglang",)

@@ -52,6 +52,21 @@ def write_bytes(path: Path, data: bytes, *, mode: int = 0o644) -> None:
         raise StoreError(explain_os_error(err, path)) from err
 
 
+def owned_prefix(prefix: str) -> str:
+    """A staging directory's name prefix carrying this process's PID: garbage collection tells
+    the directories of live operations from those an interrupted one left behind."""
+    return "%s%d-" % (prefix, os.getpid())
+
+
+def owner_pid(name: str) -> int | None:
+    """The PID an ``owned_prefix`` name carries, if any."""
+    parts = name.split("-")
+    for part in parts[1:]:
+        if part.isdigit():
+            return int(part)
+    return None
+
+
 @contextlib.contextmanager
 def staging_dir(parent: Path, prefix: str) -> Iterator[Path]:
     """A private directory under *parent* that is removed unless kept.
@@ -62,7 +77,7 @@ def staging_dir(parent: Path, prefix: str) -> Iterator[Path]:
     parent = Path(parent)
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+        path = Path(tempfile.mkdtemp(prefix=owned_prefix(prefix), dir=parent))
     except OSError as err:
         raise StoreError(explain_os_error(err, parent)) from err
     try:

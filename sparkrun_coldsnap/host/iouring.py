@@ -26,16 +26,17 @@ def io_uring_disabled() -> Iterator[None]:
     if not SYSCTL.exists():
         yield  # kernel without io_uring or without the switch: nothing to do
         return
-    lock_path = paths.run_dir() / "io_uring.lock"
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _lock()
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        old = SYSCTL.read_text().strip()
+        # A capture killed outright left its marker: the value before it is the one to keep.
+        old = _marker_value() or SYSCTL.read_text().strip()
         if old != "2":
+            _marker().write_text(old)
             try:
                 SYSCTL.write_text("2")
             except OSError as err:
+                _marker().unlink(missing_ok=True)
                 raise CaptureError(
                     "cannot disable io_uring for the capture (%s): run as root, or set kernel.io_uring_disabled=2 yourself" % err.strerror
                 ) from err
@@ -44,5 +45,45 @@ def io_uring_disabled() -> Iterator[None]:
         finally:
             if old != "2":
                 SYSCTL.write_text(old)
+            _marker().unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+
+
+def _lock() -> int:
+    lock_path = paths.run_dir() / "io_uring.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    return os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+
+
+def _marker() -> Path:
+    """The setting to put back, kept while a capture holds io_uring off."""
+    return paths.run_dir() / "io_uring.previous"
+
+
+def _marker_value() -> str | None:
+    try:
+        value = _marker().read_text().strip()
+    except OSError:
+        return None
+    return value if value in ("0", "1") else None
+
+
+def put_back_after_crash() -> str | None:
+    """Put the setting back if a capture killed outright left io_uring off; returns the value put back."""
+    if not SYSCTL.exists():
+        return None
+    fd = _lock()
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None  # a capture is under way and holds it
+        value = _marker_value()
+        if value is None:
+            return None
+        SYSCTL.write_text(value)
+        _marker().unlink(missing_ok=True)
+        return value
     finally:
         os.close(fd)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from sparkrun_coldsnap.errors import ToolError
+from sparkrun_coldsnap.secrets import redact_argv
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,8 @@ def run(
     *input* is text for its standard input; *stdin* a file (or pipe) to read it from instead.
     """
     argv = tuple(str(a) for a in argv)
-    log.debug("run: %s", shlex.join(argv))
+    shown = shlex.join(redact_argv(argv))  # what logs and errors may say of the command
+    log.debug("run: %s", shown)
     try:
         cp = subprocess.run(
             argv,
@@ -65,7 +67,7 @@ def run(
     except FileNotFoundError as err:
         raise ToolError("%s: command not found: %s" % (what or argv[0], argv[0])) from err
     except subprocess.TimeoutExpired as err:
-        raise ToolError("%s timed out after %.0f s: %s" % (what or argv[0], timeout, shlex.join(argv))) from err
+        raise ToolError("%s timed out after %.0f s: %s" % (what or argv[0], timeout, shown)) from err
     done = Completed(argv, cp.returncode, cp.stdout, cp.stderr)
     if check and cp.returncode != 0:
         raise ToolError("%s failed (exit %d): %s" % (what or os.path.basename(argv[0]), cp.returncode, done.tail()))

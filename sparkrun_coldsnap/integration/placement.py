@@ -2,8 +2,10 @@
 
 sparkrun internals used here: ``compose_launch_env`` and the local executor's env
 rewriting (the environment sparkrun's own launch would give the engine),
-``build_volumes``/``resolved_model_volume`` (its container mounts), and the docker
-executor's workload labels and names.
+``build_volumes``/``resolved_model_volume`` (its container mounts),
+``resolve_launch_runtime_cache``/``ensure_runtime_cache_on_hosts`` (the persistent
+compile cache its docker launches mount), and the docker executor's workload labels
+and names.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import os
 import re
 from pathlib import Path
 from typing import Any
+
+from pydantic import ValidationError as PydanticValidationError
 
 from sparkrun_coldsnap import extensions
 from sparkrun_coldsnap.capsule.store import CapsuleStore, choose_store
@@ -27,6 +31,7 @@ from sparkrun_coldsnap.documents.request import (
     ValidationSpec,
     Workload,
 )
+from sparkrun_coldsnap.documents.strict import one_line
 from sparkrun_coldsnap.errors import RequestError
 from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.integration.recipe_item import block_of, source_of
@@ -78,6 +83,14 @@ def executor_name(actx: Any) -> str:
 
 
 def workload_of(actx: Any, block: ColdsnapBlock) -> Workload:
+    """The workload sparkrun placed; a recipe value the request cannot hold is a one-line RequestError."""
+    try:
+        return _workload_of(actx, block)
+    except PydanticValidationError as err:
+        raise RequestError(one_line(err, prefix=source_of(actx.execution.plan.recipe)) + "; fix the recipe") from None
+
+
+def _workload_of(actx: Any, block: ColdsnapBlock) -> Workload:
     plan = actx.execution.plan
     recipe = plan.recipe
     reg = extensions.registry()
@@ -89,6 +102,7 @@ def workload_of(actx: Any, block: ColdsnapBlock) -> Workload:
     units = tuple(LaunchUnit(name="solo" if len(hosts) == 1 else "rank-%d" % i, host=h, rank=i) for i, h in enumerate(hosts))
     settings = {**(getattr(recipe, "defaults", None) or {}), **(actx.execution.options.overrides or {})}
     container = executor != "local"
+    cache_volumes, cache_env = runtime_cache_of(actx) if container else ({}, {})
     return Workload(
         recipe=str(getattr(recipe, "name", "") or Path(source_of(recipe)).stem),
         engine=engine,
@@ -103,11 +117,11 @@ def workload_of(actx: Any, block: ColdsnapBlock) -> Workload:
         launch=Launch(
             executor="local" if executor == "local" else "docker",
             command=actx.serve_command,
-            env=launch_env_of(actx),
+            env={**launch_env_of(actx), **cache_env},
             port=int(actx.serve_port),
             engine_env=None if container else block.engine_env,
             image=pinned_image(actx.container_image) if container else None,
-            volumes=container_volumes(actx) if container else {},
+            volumes={**cache_volumes, **container_volumes(actx)} if container else {},
             shm_size=str(_executor_setting(actx, "shm_size") or "32g") if container else None,
         ),
         driver=_select_driver(block, engine),
@@ -133,6 +147,29 @@ def container_volumes(actx: Any) -> dict[str, str]:
     runtime, recipe = actx.execution.plan.runtime, actx.execution.plan.recipe
     volumes = build_volumes(actx.effective_cache_dir, extra={**runtime.get_extra_volumes(), **resolved_model_volume(recipe)})
     return {str(k): str(v) for k, v in volumes.items()}
+
+
+def runtime_cache_of(actx: Any) -> tuple[dict[str, str], dict[str, str]]:
+    """The persistent compile cache sparkrun's docker launch mounts at /cache/runtime: (volumes, env).
+
+    sparkrun resolves it in its own launch path, after the point where a strategy takes
+    over, so the container the plugin starts asks for it the same way; empty when the
+    cache is turned off (recipe, cluster, config, or SPARKRUN_NO_RUNTIME_CACHE).
+    """
+    from sparkrun.core.launcher import resolve_launch_runtime_cache
+    from sparkrun.orchestration.runtime_cache import ensure_runtime_cache_on_hosts
+
+    plan, opts = actx.execution.plan, actx.execution.options
+    mounts = resolve_launch_runtime_cache(
+        runtime=plan.runtime, recipe=plan.recipe, overrides=dict(opts.overrides or {}), config=actx.execution.sctx.config, cluster=plan.cluster,
+        host_list=list(actx.hosts), ssh_kwargs={}, image=actx.container_image,
+        cli_override=None if opts.runtime_cache is None else {"enabled": opts.runtime_cache},
+    )  # fmt: skip
+    if mounts is None:
+        return {}, {}
+    if not opts.dry_run:
+        ensure_runtime_cache_on_hosts(mounts, list(actx.hosts), {})
+    return {str(k): str(v) for k, v in mounts.volumes.items()}, {str(k): str(v) for k, v in mounts.env.items()}
 
 
 def _executor_setting(actx: Any, key: str) -> Any:

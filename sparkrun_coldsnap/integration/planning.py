@@ -2,12 +2,39 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from sparkrun_coldsnap.errors import RequestError
+from sparkrun_coldsnap.errors import ColdsnapError, RequestError, coldsnap_cause
 from sparkrun_coldsnap.integration.placement import OPT_PLAN_INTO, OPT_RECEIPT, OPT_REQUIRE_CAPSULE, OPT_STORE
+
+
+@contextlib.contextmanager
+def recipe_errors(recipe: str) -> Iterator[None]:
+    """sparkrun's handling of a recipe, with its recipe errors turned into ours (exit 2, one line).
+
+    sparkrun wraps what the recipe item raised ("Recipe is invalid: Plugin coldsnap could not
+    parse ..."): the plugin's own error is handed on as it was; sparkrun's own recipe errors
+    become a RequestError naming the recipe.
+    """
+    from sparkrun.core.recipe import RecipeError
+
+    try:
+        yield
+    except ColdsnapError:
+        raise
+    except Exception as err:
+        ours = coldsnap_cause(err)
+        if ours is not None:
+            raise ours from None
+        cur: BaseException | None = err
+        while cur is not None:
+            if isinstance(cur, RecipeError):
+                raise RequestError("%s: %s; fix the recipe" % (recipe, str(cur).strip() or type(cur).__name__)) from err
+            cur = cur.__cause__
+        raise
 
 
 def plan_activation(recipe: str, *, hosts: tuple[str, ...] | None, cluster: str | None, overrides: Mapping[str, Any], offline: bool | None) -> Any:
@@ -21,10 +48,11 @@ def plan_activation(recipe: str, *, hosts: tuple[str, ...] | None, cluster: str 
 
     holder: list = []
     opts = api.RunOptions(recipe, hosts=hosts, cluster=cluster, overrides=dict(overrides), offline=offline, strategy_options={OPT_PLAN_INTO: holder})
-    plan = api.plan(opts)
-    if plan.runtime is None:
-        raise RequestError("%s: sparkrun could not resolve a runtime for this recipe" % recipe)
-    api.run(dataclasses.replace(opts, dry_run=True), plan=plan)
+    with recipe_errors(recipe):
+        plan = api.plan(opts)
+        if plan.runtime is None:
+            raise RequestError("%s: sparkrun could not resolve a runtime for this recipe" % recipe)
+        api.run(dataclasses.replace(opts, dry_run=True), plan=plan)
     if not holder:
         raise RequestError("%s has no coldsnap: block, or the coldsnap plugin is not enabled (sparkrun plugins enable coldsnap)" % recipe)
     return holder[0]
@@ -41,5 +69,6 @@ def run_recipe(
         recipe, hosts=hosts, cluster=cluster, overrides=dict(overrides), offline=offline, dry_run=dry_run,
         strategy_options={OPT_REQUIRE_CAPSULE: require_capsule, OPT_RECEIPT: receipt, OPT_STORE: store},
     )  # fmt: skip
-    result = api.run(opts)
+    with recipe_errors(recipe):
+        result = api.run(opts)
     return int(result.rc)

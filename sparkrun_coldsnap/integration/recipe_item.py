@@ -6,7 +6,7 @@ from typing import Any
 
 from sparkrun_coldsnap import extensions
 from sparkrun_coldsnap.documents.recipe_block import ColdsnapBlock, parse_block
-from sparkrun_coldsnap.documents.request import is_immutable_revision
+from sparkrun_coldsnap.documents.request import revision_problem
 from sparkrun_coldsnap.errors import RequestError
 
 KEY = "coldsnap"
@@ -48,11 +48,9 @@ def check_block(block: ColdsnapBlock, recipe: Any) -> None:
             reg.engine_for_runtime(str(getattr(recipe, "runtime", "") or ""))
     except RequestError as err:
         raise RequestError("%s: coldsnap.engine: %s" % (src, err)) from None
-    revision = getattr(recipe, "model_revision", None)
-    if not revision or not is_immutable_revision(str(revision)):
-        raise RequestError(
-            "%s: model_revision %r is not immutable: a capsule is bound to exact weights, pin the commit hash (40 hex digits)" % (src, revision)
-        )
+    problem = revision_problem(getattr(recipe, "model_revision", None))
+    if problem:
+        raise RequestError("%s: %s" % (src, problem))
 
 
 def block_of(recipe: Any) -> ColdsnapBlock:

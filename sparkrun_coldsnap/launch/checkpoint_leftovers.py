@@ -2,16 +2,21 @@
 
 To start a container from a checkpoint, containerd unpacks the checkpoint into a new
 ``ctrd-checkpoint*`` directory under its XDG_RUNTIME_DIR (else TMPDIR, else /tmp) for
-runc to restore from, and never removes it. Every restore would leave a full copy of
-the images behind (2.4 GB for the CPU engine) until the disk fills. After a start the
-plugin removes the copies of its own checkpoint, recognized by content rather than by
-age: another restore on the host may be reading its own copy at that moment.
+runc to restore from, and never removes it. A checkpoint of images would leave a full
+copy behind on every restore (2.4 GB for the CPU engine) until the disk fills; the
+plugin's checkpoints are links to the staged images (checkpoint_links.py), whose
+unpacked copy is only links and CRIU's restore log, but is left all the same. After a
+start the plugin removes the copies of its own checkpoint, recognized by content or by
+where their links point rather than by age: another restore on the host may be reading
+its own copy at that moment.
 """
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+
+from sparkrun_coldsnap.launch import checkpoint_links
 
 PREFIX = "ctrd-checkpoint"
 # Two small images that together name one checkpoint: CRIU's inventory and the
@@ -44,14 +49,15 @@ def signature(images: Path) -> tuple[bytes, ...] | None:
 
 
 def remove_unpacked_copies(images: Path, temp_dirs: set[Path] | None = None) -> list[Path]:
-    """Remove containerd's unpacked copies of the checkpoint in *images*; returns what was removed."""
+    """Remove containerd's unpacked copies of the checkpoint in *images* (copies of its files,
+    or links to them); returns what was removed. Links are removed, never what they point to."""
     mine = signature(images)
-    if mine is None:
-        return []
     removed = []
     for parent in containerd_temp_dirs() if temp_dirs is None else temp_dirs:
         for entry in sorted(parent.glob(PREFIX + "*")):
-            if entry.is_dir() and signature(entry) == mine:
+            if not entry.is_dir() or entry.is_symlink():
+                continue
+            if checkpoint_links.points_into(entry, images) or (mine is not None and signature(entry) == mine):
                 shutil.rmtree(entry, ignore_errors=True)
                 removed.append(entry)
     return removed

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sparkrun_coldsnap.errors import CaptureError
-from sparkrun_coldsnap.launch import docker
+from sparkrun_coldsnap.launch import checkpoint_leftovers, docker
 from sparkrun_coldsnap.launch.base import Launcher, Progress, RunningUnit
 from sparkrun_coldsnap.launch.docker import ContainerSpec
 
@@ -30,6 +30,7 @@ def container_spec(workload: Workload, command: str, env: Mapping[str, str], lab
         volumes=dict(workload.launch.volumes),
         shm_size=workload.launch.shm_size or "32g",
         labels=dict(labels or {}),
+        gpus=tuple(workload.topology.units[0].devices),  # the unit's accelerators, as sparkrun's --gpus gives them
     )
 
 
@@ -67,7 +68,14 @@ class Containers(Launcher):
         return docker.start_container(container_spec(workload, command, env, labels), name)
 
     def room_needed(self, images: Path) -> list[tuple[Path, float, str]]:
-        return super().room_needed(images) + [(Path(docker.info()["root_dir"]), 1.0, "docker's checkpoint")]
+        # docker checkpoint create: runc dumps into containerd's temporary directory, containerd
+        # tars that into its content store (under docker's root), and dockerd unpacks the blob
+        # into the container's checkpoint folder while the blob still exists.
+        temp = sorted(checkpoint_leftovers.containerd_temp_dirs()) or [Path("/tmp")]
+        return super().room_needed(images) + [
+            (Path(docker.info()["root_dir"]), 2.0, "docker's checkpoint (containerd's content store and docker's checkpoint folder)"),
+            (temp[0], 1.0, "containerd's temporary copy of the checkpoint"),
+        ]
 
     def checkpoint(self, driver: SnapshotDriver, unit: RunningUnit, images: Path, *, unit_def: LaunchUnit, progress: Progress) -> UnitImage:
         return driver.checkpoint_container(unit, images, unit_name=unit_def.name, host=unit_def.host, spec=getattr(unit, "spec", None), progress=progress)

@@ -18,10 +18,11 @@ live with, and nothing else:
   buffers live there).
 
 Network (host), /dev/shm size, volumes, environment, labels and name are
-sparkrun's. A restore creates a NEW container from the same image
-with the same settings under a temporary name during preparation, loads the
-captured writable layer and the checkpoint into it, and after eviction renames
-it to sparkrun's name and starts it from the checkpoint.
+sparkrun's. A restore creates a NEW container from the same image with the same
+settings under a temporary name during preparation, loads the captured writable
+layer into it and points its checkpoint at the staged images, and after eviction
+renames it to sparkrun's name and starts it from the checkpoint
+(container_restore.py says how, and what it does on faults).
 """
 
 from __future__ import annotations
@@ -30,16 +31,17 @@ import functools
 import json
 import os
 import shutil
-import subprocess
+import signal
 import tarfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from sparkrun_coldsnap.errors import RestoreError, ToolError
+from sparkrun_coldsnap.errors import ToolError
 from sparkrun_coldsnap.host.logfile import last_line
 from sparkrun_coldsnap.host.runner import Completed, run
-from sparkrun_coldsnap.launch import checkpoint_leftovers
+from sparkrun_coldsnap.launch import gpu_devices
 
 LOG_IN_CONTAINER = "/tmp/sparkrun_serve.log"
 ROOTFS_TAR = "coldsnap-rootfs.tar"
@@ -61,6 +63,7 @@ def info() -> dict[str, str]:
         "cgroup_version": str(doc.get("CgroupVersion")),
         "root_dir": str(doc.get("DockerRootDir")),
         "experimental": str(doc.get("ExperimentalBuild")).lower(),
+        "runtimes": ",".join(sorted(doc.get("Runtimes") or {})),
     }
 
 
@@ -134,25 +137,42 @@ class ContainerSpec:
     volumes: Mapping[str, str]  # host path -> container path
     shm_size: str = "32g"
     labels: Mapping[str, str] = field(default_factory=dict)
+    #: GPU indices the container gets, as entries of its spec (gpu_container.py says why)
+    gpus: tuple[str, ...] = ()
 
-    def create_args(self, name: str) -> list[str]:
+    def create_args(self, name: str, *, auto_remove: bool = False, runtime: str | None = None) -> list[str]:
+        """``docker create`` arguments; *auto_remove* as sparkrun's own launches (never for a
+        container that will be checkpointed: the checkpoint stops it), *runtime* an OCI runtime
+        other than the daemon's default."""
         args = ["create", "--name", name, "--network=host", "--ipc=private", "--shm-size=%s" % self.shm_size]
+        if auto_remove:
+            args.append("--rm")
+        if runtime:
+            args += ["--runtime", runtime]
         for k, v in sorted(self.labels.items()):
             args += ["--label", "%s=%s" % (k, v)]
         for k, v in sorted(self.env.items()):
             args += ["-e", "%s=%s" % (k, v)]
         for host, target in sorted(self.volumes.items()):
             args += ["-v", "%s:%s" % (host, target)]
+        if self.gpus:
+            args += gpu_devices.device_args(self.gpus)
         # The engine is the main process; its output goes where sparkrun logs reads.
         args += [self.image, "bash", "-c", "exec %s > %s 2>&1" % (self.command, LOG_IN_CONTAINER)]
         return args
 
     def to_json(self) -> dict:
-        return {"image": self.image, "command": self.command, "env": dict(self.env), "volumes": dict(self.volumes), "shm_size": self.shm_size}
+        doc = {"image": self.image, "command": self.command, "env": dict(self.env), "volumes": dict(self.volumes), "shm_size": self.shm_size}
+        if self.gpus:
+            doc["gpus"] = list(self.gpus)
+        return doc
 
     @classmethod
     def from_json(cls, doc: dict, *, labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None, volumes: Mapping[str, str] | None = None) -> ContainerSpec:
-        return cls(doc["image"], doc["command"], dict(env if env is not None else doc["env"]), dict(volumes if volumes is not None else doc["volumes"]), doc.get("shm_size", "32g"), dict(labels or {}))
+        return cls(
+            doc["image"], doc["command"], dict(env if env is not None else doc["env"]), dict(volumes if volumes is not None else doc["volumes"]),
+            doc.get("shm_size", "32g"), dict(labels or {}), tuple(doc.get("gpus", ())),
+        )  # fmt: skip
 
 
 @dataclass
@@ -162,6 +182,14 @@ class ContainerUnit:
     name: str
     container_id: str
     spec: ContainerSpec | None = None
+    #: a prepared restore's images (links in its checkpoint point here), until it has started
+    images: Path | None = None
+    #: the prepared restore brings memory back on demand
+    lazy: bool = False
+    #: seconds each step of a restore into this container took
+    steps: dict[str, float] = field(default_factory=dict)
+    #: the prepared restore's lazy-pages daemon (a Popen), until the restore has started
+    lazy_daemon: Any = None
 
     @property
     def root_pid(self) -> int:
@@ -189,6 +217,17 @@ class ContainerUnit:
 
     def remove(self) -> None:
         docker("rm", "-f", self.container_id, check=False, timeout=120)
+        self.stop_lazy_daemon()
+        if self.images is not None:
+            shutil.rmtree(self.images, ignore_errors=True)
+            self.images = None
+
+    def stop_lazy_daemon(self) -> None:
+        if self.lazy_daemon is not None:
+            from sparkrun_coldsnap.drivers.criu_tree import _stop_daemon
+
+            _stop_daemon(self.lazy_daemon)
+            self.lazy_daemon = None
 
     def stop(self, grace: float = 10.0) -> None:
         self.remove()
@@ -215,13 +254,26 @@ def container_dir(container_id: str) -> Path:
 
 
 def checkpoint(unit: ContainerUnit, images: Path) -> None:
-    """``docker checkpoint create`` (the container stops), then move the images and the writable layer out."""
+    """``docker checkpoint create`` (the container stops), then move the images and the writable layer out.
+
+    The compile-cache files the processes map are copied first, while they run (volume_files.py).
+    """
+    from sparkrun_coldsnap.host.process_tree import tree_pids
+    from sparkrun_coldsnap.launch import volume_files
+
+    root = unit.root_pid
+    images.parent.mkdir(parents=True, exist_ok=True)
+    cache_files = images.parent / (images.name + ".volume-files")
+    shutil.rmtree(cache_files, ignore_errors=True)
+    volume_files.save(volume_files.in_use(tree_pids(root)), Path("/proc/%d/root" % root), cache_files)
     out = docker("checkpoint", "create", unit.container_id, CHECKPOINT, check=False, timeout=1800)
     if out.returncode != 0:
         raise ToolError("docker checkpoint of %s failed: %s" % (unit.name, out.tail()))
     source = container_dir(unit.container_id) / "checkpoints" / CHECKPOINT
-    images.parent.mkdir(parents=True, exist_ok=True)
     shutil.move(str(source), str(images))
+    if (cache_files / volume_files.STORED).exists():
+        os.rename(cache_files / volume_files.STORED, images / volume_files.STORED)
+    shutil.rmtree(cache_files, ignore_errors=True)
     write_rootfs_tar(upper_dir(unit.container_id), images / ROOTFS_TAR)
 
 
@@ -236,50 +288,36 @@ def write_rootfs_tar(upper: Path, target: Path) -> None:
             tar.add(str(upper / entry), arcname=entry, filter=keep)
 
 
+#: The label a prepared restore carries naming the directory of its images.
+IMAGES_LABEL = "coldsnap.images"
+
+
 def remove_stale(prefix: str) -> None:
-    """Containers an earlier preparation created and no activation started."""
-    out = docker("ps", "-a", "--filter", "name=^%s" % prefix, "--filter", "status=created", "--format", "{{.Names}}", check=False, timeout=60)
-    for name in out.stdout.split():
-        docker("rm", "-f", name, check=False, timeout=120)
+    """Containers an earlier preparation created and no activation started, and their images."""
+    out = docker("ps", "-a", "--filter", "name=^%s" % prefix, "--filter", "status=created", "--format", '{{.ID}} {{.Label "%s"}}' % IMAGES_LABEL, check=False, timeout=60)
+    for line in out.stdout.splitlines():
+        cid, _, images = line.partition(" ")
+        docker("rm", "-f", cid, check=False, timeout=120)
+        if images.strip():
+            shutil.rmtree(images.strip(), ignore_errors=True)
 
 
-def prepare_restore(spec: ContainerSpec, images: Path, temp_name: str) -> ContainerUnit:
-    """Create the new container under *temp_name*, load its writable layer and checkpoint (before eviction)."""
-    remove_stale(temp_name.rsplit("-", 1)[0] + "-")
-    out = docker(*spec.create_args(temp_name), timeout=300)
-    cid = out.stdout.strip().splitlines()[-1]
-    unit = ContainerUnit(temp_name, cid, spec)
-    try:
-        rootfs = images / ROOTFS_TAR
-        if rootfs.exists():
-            with open(rootfs, "rb") as f:
-                cp = subprocess.run(["docker", "cp", "-", "%s:/" % cid], stdin=f, capture_output=True, text=True, timeout=600)
-            if cp.returncode != 0:
-                raise RestoreError("loading the captured writable layer into the new container failed: %s" % cp.stderr.strip()[-300:])
-        target = container_dir(cid) / "checkpoints" / CHECKPOINT
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(images, target, ignore=shutil.ignore_patterns(ROOTFS_TAR, "coldsnap-*"))
-    except BaseException:
-        unit.remove()
-        raise
-    return unit
+def leftover_pids(container_id: str, cgroup_root: Path = Path("/sys/fs/cgroup")) -> list[int]:
+    """Processes still in the container's cgroups (docker's cgroupfs and systemd layouts, v1 and v2)."""
+    pids: set[int] = set()
+    patterns = ("*/docker/%s/cgroup.procs", "docker/%s/cgroup.procs", "*/system.slice/docker-%s.scope/cgroup.procs", "system.slice/docker-%s.scope/cgroup.procs")
+    for pattern in patterns:
+        for procs in cgroup_root.glob(pattern % container_id):
+            try:
+                pids.update(int(p) for p in procs.read_text().split())
+            except (OSError, ValueError):
+                continue
+    return sorted(pids)
 
 
-def start_from_checkpoint(unit: ContainerUnit, name: str) -> ContainerUnit:
-    """Take sparkrun's name (the old workload is gone by now) and resume from the checkpoint."""
-    if unit.name != name:
-        docker("rm", "-f", name, check=False, timeout=120)
-        docker("rename", unit.container_id, name, timeout=60)
-        unit = ContainerUnit(name, unit.container_id, unit.spec)
-    images = container_dir(unit.container_id) / "checkpoints" / CHECKPOINT
-    try:
-        out = docker("start", "--checkpoint", CHECKPOINT, unit.container_id, check=False, timeout=1800)
-    finally:
-        checkpoint_leftovers.remove_unpacked_copies(images)
-    if out.returncode != 0:
-        raise RestoreError("docker start --checkpoint of %s failed: %s" % (name, out.tail()))
-    # The restored processes run from memory now; docker would otherwise keep this
-    # copy of the images on disk for as long as the container exists.
-    docker("checkpoint", "rm", unit.container_id, CHECKPOINT, check=False, timeout=120)
-    return unit
-
+def kill_pids(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

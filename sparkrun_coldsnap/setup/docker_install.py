@@ -1,5 +1,11 @@
 """Docker for the container path: a daemon that checkpoints, and the CPU engine's image.
 
+The daemon gets experimental mode (checkpoint and restore), a CRIU >= 4.2 for runc, the
+CRIU options runc must pass, and one more OCI runtime, ``coldsnap-runc``: runc behind a
+few lines of shell that restore memory on demand when a checkpoint asks for it
+(launch/lazy_runtime.py). Adding the runtime needs no restart: dockerd rereads its
+runtimes on SIGHUP.
+
 No image can be pulled on the machines this project is built for, so the
 engine image is made here: a Debian root file system from debootstrap (with
 what vLLM on the CPU needs at run time: libnuma, and g++ with the Python
@@ -12,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -23,9 +30,11 @@ from sparkrun_coldsnap.errors import ToolError
 from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.host.runner import run
 from sparkrun_coldsnap.launch import docker as docker_unit
+from sparkrun_coldsnap.launch import lazy_runtime
 
 IMAGE = "coldsnap/vllm-cpu:0.32.0"
 DAEMON_JSON = Path("/etc/docker/daemon.json")
+DOCKERD_PIDFILE = Path("/var/run/docker.pid")
 CRIU_WRAPPER = Path("/usr/local/sbin/criu")
 ROOTFS_PACKAGES = ("python3", "python3-dev", "libnuma1", "g++", "procps", "ca-certificates")
 
@@ -40,18 +49,49 @@ def ensure_packages(log) -> None:
             run(["apt-get", "install", "-y", "-q", *missing], timeout=1200, env=env, what="apt-get install")
 
 
-def configure_daemon(log) -> bool:
-    """Experimental mode (checkpoint/restore) in daemon.json; True if it changed."""
+def _daemon_json() -> dict:
     try:
-        doc = json.loads(DAEMON_JSON.read_text())
+        return json.loads(DAEMON_JSON.read_text())
     except (OSError, ValueError):
-        doc = {}
+        return {}
+
+
+def _write_daemon_json(doc: dict) -> None:
+    DAEMON_JSON.parent.mkdir(parents=True, exist_ok=True)
+    DAEMON_JSON.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def configure_daemon(log) -> bool:
+    """Experimental mode (checkpoint/restore) in daemon.json; True if it changed (a restart is needed)."""
+    doc = _daemon_json()
     if doc.get("experimental") is True:
         return False
     doc["experimental"] = True
-    DAEMON_JSON.parent.mkdir(parents=True, exist_ok=True)
-    DAEMON_JSON.write_text(json.dumps(doc, indent=2) + "\n")
+    _write_daemon_json(doc)
     log("enabled experimental mode in %s (docker checkpoint needs it)" % DAEMON_JSON)
+    return True
+
+
+def lazy_runtime_installed(log) -> bool:
+    """The runtime that restores memory on demand: its wrapper, and its entry in daemon.json.
+    True if daemon.json changed (dockerd reloads runtimes on SIGHUP, no restart)."""
+    runc = shutil.which("runc")
+    if runc is None:
+        raise ToolError("no runc on PATH for docker: install docker.io (it brings runc)")
+    text = lazy_runtime.script(runc)
+    if not lazy_runtime.WRAPPER.exists() or lazy_runtime.WRAPPER.read_text() != text:
+        lazy_runtime.WRAPPER.parent.mkdir(parents=True, exist_ok=True)
+        lazy_runtime.WRAPPER.write_text(text)
+        lazy_runtime.WRAPPER.chmod(0o755)
+        log("installed %s (runc that restores memory on demand when a checkpoint asks)" % lazy_runtime.WRAPPER)
+    doc = _daemon_json()
+    runtimes = doc.setdefault("runtimes", {})
+    entry = {"path": str(lazy_runtime.WRAPPER)}
+    if runtimes.get(lazy_runtime.NAME) == entry:
+        return False
+    runtimes[lazy_runtime.NAME] = entry
+    _write_daemon_json(doc)
+    log("added the docker runtime %s to %s" % (lazy_runtime.NAME, DAEMON_JSON))
     return True
 
 
@@ -77,6 +117,31 @@ def runc_options(log) -> None:
         log("added %s to %s" % (", ".join(added), conf))
 
 
+def daemon_pid() -> int | None:
+    """The running dockerd's PID, from the file it writes."""
+    try:
+        pid = int(DOCKERD_PIDFILE.read_text().strip())
+        os.kill(pid, 0)
+        return pid
+    except (OSError, ValueError):
+        return None
+
+
+def reload_daemon(log) -> None:
+    """Make a running dockerd read daemon.json again (runtimes are reloadable)."""
+    pid = daemon_pid()
+    if pid is None:
+        return
+    os.kill(pid, signal.SIGHUP)
+    for _ in range(100):
+        docker_unit.info.cache_clear()
+        if lazy_runtime.NAME in docker_unit.info()["runtimes"].split(","):
+            log("dockerd reloaded its runtimes")
+            return
+        time.sleep(0.1)
+    raise ToolError("dockerd did not take the runtime %s from %s: see its log (%s)" % (lazy_runtime.NAME, DAEMON_JSON, paths.run_dir() / "dockerd.log"))
+
+
 def start_daemon(log, *, restart: bool) -> None:
     daemon_running = docker_unit.daemon_running
     running = daemon_running()
@@ -84,9 +149,11 @@ def start_daemon(log, *, restart: bool) -> None:
         return
     if running:
         log("restarting dockerd for the new settings")
-        run(["pkill", "-x", "dockerd"], timeout=30, check=False)
-        for _ in range(100):
-            if not daemon_running():
+        pid = daemon_pid()
+        if pid is not None:
+            os.kill(pid, signal.SIGTERM)
+        for _ in range(300):
+            if not daemon_running() and daemon_pid() is None:
                 break
             time.sleep(0.1)
     log("starting dockerd")
@@ -145,6 +212,9 @@ def setup_docker(log) -> None:
     changed = configure_daemon(log)
     criu_for_runc(log)
     runc_options(log)
+    runtimes_changed = lazy_runtime_installed(log)
     paths.run_dir().mkdir(parents=True, exist_ok=True)
+    if runtimes_changed and not changed and docker_unit.daemon_running():
+        reload_daemon(log)
     start_daemon(log, restart=changed)
     log("image %s: %s" % (IMAGE, build_image(log)[:19]))

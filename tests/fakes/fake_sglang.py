@@ -17,7 +17,9 @@ same bodies, status codes and streaming format as the real server:
   ``{"tags": [...]}`` (``weights``, ``kv_cache``, ``cuda_graph``; none means all):
   200 with ``null``; released tags are tracked with or without
   ``--enable-memory-saver``; resuming a tag that was not released kills the server
-  (the real scheduler raises);
+  (the real scheduler raises). Released weights are dropped, not kept: after
+  resuming ``weights`` without ``/update_weights_from_disk`` the real server (0.5.17
+  on an H200) answered every request with empty text, and so does this one;
 * ``POST /update_weights_from_disk`` ``{"model_path": ...}``: 200
   ``{"success": true, "message": "Succeeded to update model weights.", "num_paused_requests": 0}``,
   400 with ``success: false`` otherwise (weights released or not: the real server does
@@ -47,6 +49,9 @@ class State:
     def __init__(self, args) -> None:
         self.served = args.served_model_name or args.model_path
         self.released: set[str] = set()
+        # False once the weights' memory was released: resuming gives the memory back, not the
+        # weights (seen on the real server); only /update_weights_from_disk loads them again.
+        self.weights_loaded = True
         self.ready_at = time.monotonic() + args.startup_seconds
         self.weights_digest = self._digest(args.model_path)
 
@@ -111,6 +116,8 @@ def make_handler(state: State):
                 tags = set(body.get("tags") or ALL_TAGS)
                 if self.path.startswith("/release"):
                     state.released |= tags
+                    if "weights" in tags:
+                        state.weights_loaded = False
                 else:
                     if not tags <= state.released:
                         # The real scheduler raises KeyError and the server exits.
@@ -123,6 +130,7 @@ def make_handler(state: State):
                 if not path or not Path(path).is_dir():
                     return self._json(400, {"success": False, "message": "Failed to get weights iterator: %s not found." % path, "num_paused_requests": 0})
                 state.weights_digest = state._digest(path)
+                state.weights_loaded = True
                 state.served = path
                 return self._json(200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0})
             self._error(404, "Not Found", "404")
@@ -137,6 +145,8 @@ def make_handler(state: State):
                 return self._error(500, "memory is released: resume it first", "InternalServerError")
             model = req.get("model", "default")
             words = state.reply(str(messages[-1].get("content", "")), int(req.get("max_tokens") or 16))
+            if not state.weights_loaded:
+                words = [""] * len(words)  # weights resumed but not reloaded: empty text, as the real server
             rid = hashlib.md5(os.urandom(8)).hexdigest()
             created = int(time.time())
             if not req.get("stream"):

@@ -1,0 +1,183 @@
+#!/usr/bin/env bash
+# The user's path on the GPU machine, through sparkrun's own CLI, one engine per run:
+# install the plugin, enable it, configure sparkrun as docs/user-guide.md says (a local cluster,
+# the local executor), write a GPU recipe (the model in the Hugging Face cache, the engine's own
+# packages on its PYTHONPATH), then
+#   sparkrun coldsnap capture -> sparkrun run (restored, validated) -> sparkrun status (listed)
+#   -> a chat request -> sparkrun stop (GPU memory released),
+# printing each step's time, and a table of them at the end.
+#
+#   bash benchmarks/gpu/sparkrun_path.sh vllm|sglang
+#
+# Run from the repository root after `device.sh stash` (plugin wheels, CRIU packages), `device.sh
+# engine` / `device.sh sglang` (the engine's target) and `qualify.py model` (the model). The
+# machine reaches no package registry, so the plugin is installed from the carried wheels with
+# `pip install --no-deps --no-index --target`, the one way its image allows beside its own packages.
+# Settings (environment):
+#   WORK         where device.sh keeps things (default /root/coldsnap-gpu)
+#   MODEL_JSON   qualify.py's model.json (default $WORK/sgl-1.5b/model.json): id, revision, path
+#   ENGINE_SITE  the engine's packages (default $WORK/engine-site for vllm, $WORK/sglang-site for sglang)
+#   SITE         where the plugin is installed (default $WORK/user-site)
+#   PY           the interpreter of the plugin and of the engine (default python3)
+#   RESULTS      where the step table and the log go (default $OUT, else .)
+#   SKIP_SETUP=1 leave out installing and configuring (done by an earlier run on this machine)
+set -uo pipefail
+ENGINE=${1:?usage: $0 vllm|sglang}
+WORK=${WORK:-/root/coldsnap-gpu}
+MODEL_JSON=${MODEL_JSON:-$WORK/sgl-1.5b/model.json}
+SITE=${SITE:-$WORK/user-site}
+PY=${PY:-python3}
+RESULTS=${RESULTS:-${OUT:-.}}
+PORT=${PORT:-8000}
+case "$ENGINE" in
+  vllm) ENGINE_SITE=${ENGINE_SITE:-$WORK/engine-site} ;;
+  sglang) ENGINE_SITE=${ENGINE_SITE:-$WORK/sglang-site} ;;
+  *) echo "usage: $0 vllm|sglang" >&2; exit 2 ;;
+esac
+mkdir -p "$RESULTS" "$WORK/recipes"
+STEPS="$RESULTS/sparkrun-path-$ENGINE-steps.tsv"
+: > "$STEPS"
+
+now() { date +%s.%N; }
+# step NAME CMD...: run it, print its output and how long it took; keep the time for the table.
+step() {
+  local name=$1; shift
+  echo "==> $name: $*"
+  local t0 rc t
+  t0=$(now)
+  "$@" 2>&1
+  rc=$?
+  t=$(echo "$(now) $t0" | awk '{printf "%.2f", $1 - $2}')
+  echo "<== $name: ${t} s (exit $rc)"
+  printf '%s\t%s\t%s\n' "$name" "$t" "$rc" >> "$STEPS"
+  return $rc
+}
+# GPU memory in use, all GPUs together (MiB); "?" where there is no nvidia-smi.
+gpu_mib() { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | awk '{s += $1} END {print s + 0}' || echo "?"; }
+
+echo "sparkrun path, $ENGINE, $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+
+# 1. Install. The user guide's `pip install .` into a venv, done the way this image allows.
+if [ -z "${SKIP_SETUP:-}" ]; then
+  step install "$PY" -m pip install --quiet --no-deps --no-index --no-compile --upgrade --target "$SITE" "$WORK"/plugin-wheels/*.whl || exit 1
+fi
+export PYTHONPATH=$SITE PATH=$SITE/bin:$PATH SPARKRUN_NO_TELEMETRY=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+unset SPARKRUN_FEATURE_PLUGINS_COLDSNAP
+# From / : the current directory must not shadow the installed plugin.
+(cd / && "$PY" -c "import importlib.metadata as m, sparkrun_coldsnap; print('sparkrun', m.version('sparkrun'), '/ sparkrun-coldsnap', m.version('sparkrun-coldsnap'), 'from', sparkrun_coldsnap.__file__)")
+
+# 2. Enable, as the user guide says. sparkrun checks the plugin's exact pins against every
+# installed distribution it can see; beside an image's newer packages it refuses. Then the
+# feature flag sparkrun reads for a plugin named coldsnap enables it.
+if step "plugins enable" sparkrun plugins enable coldsnap; then
+  echo "sparkrun enabled the plugin"
+else
+  echo "sparkrun refused to enable the plugin (above); enabling it with SPARKRUN_FEATURE_PLUGINS_COLDSNAP=1"
+  export SPARKRUN_FEATURE_PLUGINS_COLDSNAP=1
+fi
+step "plugins list" sparkrun plugins list
+
+settings_by_hand() {
+  sparkrun setup features enable executor.local || return 1
+  sparkrun setup features disable executor.docker || return 1   # no docker daemon here
+  local reg
+  for reg in $(sparkrun registry list 2>/dev/null | awk '/^---/ {t=1; next} t && / yes / {print $1}'); do
+    sparkrun registry disable "$reg" >/dev/null 2>&1 && echo "recipe registry $reg disabled (unreachable from here)"
+  done
+  sparkrun cluster list 2>/dev/null | grep -q coldsnap-local || sparkrun cluster create coldsnap-local -H localhost --executor local --default
+}
+
+# 3. Configure: CRIU from the carried packages, then sparkrun's settings (`setup --sparkrun`:
+# the plugin enabled, the local executor on, the docker executor off without a daemon,
+# unreachable recipe registries off, a default cluster on localhost).
+if [ -n "${SKIP_SETUP:-}" ]; then
+  echo "CRIU and sparkrun's settings: as the earlier run on this machine left them"
+elif ! step "setup --criu" sparkrun coldsnap setup --criu --criu-debs "$WORK/criu-debs"; then
+  exit 1
+elif ! step "setup --sparkrun" sparkrun coldsnap setup --sparkrun; then
+  # Its first step is `sparkrun plugins enable coldsnap`, refused as above: the rest by hand.
+  echo "setup --sparkrun stopped at enabling the plugin; its other steps, one by one:"
+  step "settings by hand" settings_by_hand
+fi
+[ -n "${SKIP_SETUP:-}" ] || step "doctor" sparkrun coldsnap doctor
+
+# 4. A GPU recipe: the model by id and revision in the Hugging Face cache, the engine's own packages.
+eval "$("$PY" - "$MODEL_JSON" <<'EOF'
+import json, sys
+from pathlib import Path
+m = json.loads(Path(sys.argv[1]).read_text())
+print("MODEL_ID=%s REVISION=%s HF_HOME=%s" % (m["model_id"], m["revision"], Path(m["path"]).parents[3]))
+EOF
+)"
+export HF_HOME
+RECIPE=$WORK/recipes/coldsnap-gpu-$ENGINE.yaml
+case "$ENGINE" in
+  vllm)
+    ENV_LINES="  VLLM_USE_FLASHINFER_SAMPLER: \"0\""
+    COMMAND="$PY -m vllm.entrypoints.openai.api_server --model {model} --revision {model_revision} --port {port} --gpu-memory-utilization 0.3 --max-model-len 2048 --disable-custom-all-reduce" ;;
+  sglang)
+    ENV_LINES=""
+    # The PyTorch sampler: flashinfer's would JIT-compile its kernels at the first request.
+    COMMAND="$PY -m sglang.launch_server --model-path {model} --revision {model_revision} --port {port} --mem-fraction-static 0.3 --context-length 2048 --disable-custom-all-reduce --sampling-backend pytorch" ;;
+esac
+cat > "$RECIPE" <<EOF
+recipe_version: "2"
+description: $MODEL_ID on $ENGINE, one GPU, restored from a ColdSnap capsule
+model: $MODEL_ID
+model_revision: $REVISION
+runtime: $ENGINE
+executor: local
+defaults:
+  port: $PORT
+env:
+  PYTHONPATH: $ENGINE_SITE
+  HF_HUB_OFFLINE: "1"
+${ENV_LINES}
+command: $COMMAND
+coldsnap:
+  validation:
+    prompt: "Reply with one short sentence: what is a cold start?"
+    max_tokens: 16
+    timeout_seconds: 300
+  ready_timeout_seconds: 1200
+EOF
+echo "--- $RECIPE"; cat "$RECIPE"; echo "---"
+
+# 5. The user's commands.
+FAILED=0
+step "coldsnap capture" sparkrun coldsnap capture "$RECIPE" || FAILED=1
+echo "GPU memory used after capture: $(gpu_mib) MiB"
+if [ $FAILED = 0 ]; then
+  RUN_LOG=$RESULTS/run-$ENGINE.log
+  step "run (restore)" sparkrun run "$RECIPE" --no-follow | tee "$RUN_LOG" || FAILED=1
+  grep -q "reply matches capture" "$RUN_LOG" && echo "restored and validated" || { echo "sparkrun run did not restore a validated capsule"; FAILED=1; }
+  echo "GPU memory used while serving: $(gpu_mib) MiB"
+  STATUS_LOG=$RESULTS/status-$ENGINE.log
+  step status sparkrun status | tee "$STATUS_LOG"
+  grep -q "$(basename "$RECIPE" .yaml)\|$MODEL_ID" "$STATUS_LOG" && echo "listed by sparkrun status" || { echo "not listed by sparkrun status"; FAILED=1; }
+  step chat "$PY" - "$PORT" "$MODEL_ID" <<'EOF' || FAILED=1
+import json, sys, time, urllib.request
+port, model = sys.argv[1], sys.argv[2]
+body = {"model": model, "messages": [{"role": "user", "content": "Say something about snapshots."}], "max_tokens": 24, "temperature": 0}
+req = urllib.request.Request("http://127.0.0.1:%s/v1/chat/completions" % port, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+t = time.monotonic()
+doc = json.load(urllib.request.urlopen(req, timeout=120))
+print("HTTP 200 in %.3f s, %d completion tokens: %r" % (time.monotonic() - t, doc["usage"]["completion_tokens"], doc["choices"][0]["message"]["content"]))
+EOF
+fi
+step stop sparkrun stop "$RECIPE" || FAILED=1
+for _ in $(seq 30); do
+  used=$(gpu_mib)
+  [ "$used" != "?" ] && [ "$used" -lt 100 ] 2>/dev/null && break
+  sleep 1
+done
+echo "GPU memory used after stop: $(gpu_mib) MiB"
+[ "$(gpu_mib)" = "?" ] || [ "$(gpu_mib)" -lt 100 ] || { echo "GPU memory was not released"; FAILED=1; }
+step "status after stop" sparkrun status
+
+echo
+echo "sparkrun path, $ENGINE: step times"
+awk -F'\t' '{printf "  %-20s %8.2f s  exit %s\n", $1, $2, $3}' "$STEPS"
+[ $FAILED = 0 ] && echo "RESULT: all steps passed" || echo "RESULT: FAILED"
+exit $FAILED

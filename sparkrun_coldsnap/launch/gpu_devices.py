@@ -1,0 +1,52 @@
+"""A container's GPUs as entries of its OCI spec: device nodes and the driver's files.
+
+``--gpus`` works through NVIDIA's prestart hook, which bind-mounts the driver's libraries
+into the container outside its OCI spec. runc declares the spec's mounts to CRIU as
+external ones and recreates them at restore; mounts made by a hook are neither, and CRIU
+refuses them. So a container that will be checkpointed gets its GPUs as spec entries: the
+device nodes (``--device``) and the driver's user-space files, read-only at the same
+paths (``-v``). (CDI, in Docker >= 25, puts them in the spec too.)
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+from sparkrun_coldsnap.errors import CaptureError
+
+#: Device nodes every CUDA process needs besides its GPUs.
+CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
+#: The driver's user-space files a CUDA process loads (what NVIDIA's hook would mount).
+DRIVER_FILE_PATTERNS = ("libcuda.so*", "libnvidia-ml.so*", "libnvidia-ptxjitcompiler.so*", "libnvidia-nvvm.so*", "libcudadebugger.so*")
+LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64")
+
+
+def device_args(gpus: Sequence[str], *, dev: Path = Path("/dev"), library_dirs: Sequence[str] = LIBRARY_DIRS) -> list[str]:
+    """``docker create`` arguments giving a container GPUs *gpus* (indices) as spec entries."""
+    args: list[str] = []
+    for index in gpus:
+        if not re.fullmatch(r"\d+", index):
+            raise CaptureError("GPU %r is not an index: name the unit's GPUs by number" % index)
+        node = dev / ("nvidia%s" % index)
+        if not node.exists():
+            raise CaptureError("GPU %s has no device node %s on this host" % (index, node))
+        args += ["--device", str(node)]
+    for name in CONTROL_DEVICES:
+        node = dev / Path(name).name
+        if node.exists():
+            args += ["--device", str(node)]
+    for path in driver_files(library_dirs):
+        args += ["-v", "%s:%s:ro" % (path, path)]
+    return args
+
+
+def driver_files(library_dirs: Sequence[str] = LIBRARY_DIRS) -> list[str]:
+    found: list[str] = []
+    for d in library_dirs:
+        for pattern in DRIVER_FILE_PATTERNS:
+            found += sorted(glob.glob(os.path.join(d, pattern)))
+    return found

@@ -1,0 +1,41 @@
+"""The capsule config records the engine twice (top level and fingerprint): they must agree."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import make_capsule
+
+from sparkrun_coldsnap.capsule import capsule as capsule_mod
+from sparkrun_coldsnap.capsule import media
+from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor
+from sparkrun_coldsnap.errors import IntegrityError
+
+
+def republish_with(store: CapsuleStore, cap: capsule_mod.Capsule, **engine) -> None:
+    """The same capsule with its config's top-level engine record changed, tagged anew."""
+    doc = cap.config.model_dump(mode="json")
+    doc["engine"].update(engine)
+    config_desc = store.put_bytes(json.dumps(doc).encode(), media.CONFIG_MEDIA_TYPE)
+    manifest = dict(cap.manifest, config=config_desc.to_json())
+    desc = store.put_json(manifest, media.OCI_MANIFEST, artifact_type=media.ARTIFACT_TYPE)
+    store.tag(cap.ref or "synthetic:latest", Descriptor(desc.media_type, desc.digest, desc.size, None, desc.artifact_type))
+
+
+def test_a_config_whose_engine_version_differs_from_its_fingerprint_is_refused(tmp_path):
+    store = CapsuleStore(tmp_path / "store")
+    cap = make_capsule(store, tmp_path, pages_mb=1)
+    assert capsule_mod.open_capsule(store, "synthetic:latest").config.engine.version == "0.32.0"
+    republish_with(store, cap, version="0.31.0")
+    with pytest.raises(IntegrityError) as caught:
+        capsule_mod.open_capsule(store, "synthetic:latest")
+    assert "engine vllm 0.31.0 disagrees with fingerprint.engine vllm 0.32.0" in caught.value.message
+
+
+def test_a_config_whose_engine_name_differs_from_its_fingerprint_is_refused(tmp_path):
+    store = CapsuleStore(tmp_path / "store")
+    cap = make_capsule(store, tmp_path, pages_mb=1)
+    republish_with(store, cap, name="sglang")
+    with pytest.raises(IntegrityError):
+        capsule_mod.open_capsule(store, "synthetic:latest")

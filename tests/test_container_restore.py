@@ -1,0 +1,233 @@
+"""The pieces of a restore into a new container that need no capsule: the checkpoint made of
+links, containerd's unpacked copy of it, the runtime that asks runc for memory on demand,
+and preparation's refusals, which leave no container behind (real docker for those)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from sparkrun_coldsnap.errors import RestoreError
+from sparkrun_coldsnap.host import disk_room
+from sparkrun_coldsnap.launch import checkpoint_leftovers, checkpoint_links, container_restore, lazy_runtime, volume_files
+from sparkrun_coldsnap.launch import docker as docker_unit
+
+IMAGE = "coldsnap/vllm-cpu:0.32.0"
+
+
+def staged(tmp_path: Path) -> Path:
+    """What preparation unpacks: CRIU's images, runc's descriptors, the plugin's own files."""
+    images = tmp_path / "staging" / "restore-abc" / "units" / "solo"
+    images.mkdir(parents=True)
+    for name, data in (("inventory.img", b"inv"), ("pstree.img", b"tree-42"), ("pages-1.img", b"\1" * 8192), ("descriptors.json", b"[]")):
+        (images / name).write_bytes(data)
+    (images / "dump.log").write_text("criu's log of the dump\n")
+    layer = tmp_path / "layer"
+    (layer / "tmp").mkdir(parents=True)
+    (layer / "tmp" / "sparkrun_serve.log").write_text("the engine's log\n")
+    docker_unit.write_rootfs_tar(layer, images / docker_unit.ROOTFS_TAR)
+    return images
+
+
+def test_a_checkpoint_of_links_reads_the_staged_images_in_place(tmp_path):
+    images = staged(tmp_path)
+    home = checkpoint_links.own_images(images, checkpoint_links.home_for(images, "coldsnap-restore-x"))
+    assert home == tmp_path / "staging" / "coldsnap-restore-x.images" and not images.exists()
+    checkpoint = tmp_path / "docker" / "checkpoints" / "coldsnap"
+    assert checkpoint_links.link_images(home, checkpoint, lazy=True) == 4
+    names = sorted(os.listdir(checkpoint))
+    # CRIU's images and runc's descriptors; not the writable layer, not the dump's log.
+    assert names == ["descriptors.json", "inventory.img", "lazy-pages.socket", "pages-1.img", "pstree.img"]
+    # Relative links that climb to the root first: the restored processes, whose root is the
+    # container's, open some images through them (an absolute link would resolve in there).
+    assert all(os.readlink(checkpoint / n).startswith("../" * 64) for n in names)
+    assert (checkpoint / "pages-1.img").read_bytes() == b"\1" * 8192
+    assert checkpoint_links.linked_path(os.readlink(checkpoint / "lazy-pages.socket")) == home / "lazy-pages.socket"
+    copy = tmp_path / "deep" / "er" / "ctrd-checkpoint1"  # containerd unpacks elsewhere, at any depth
+    copy.parent.mkdir(parents=True)
+    shutil.copytree(checkpoint, copy, symlinks=True)
+    assert (copy / "pages-1.img").read_bytes() == b"\1" * 8192
+
+
+def test_containerds_unpacked_copy_of_links_is_removed_even_after_the_images_are_gone(tmp_path):
+    images = staged(tmp_path)
+    temp = tmp_path / "tmp"
+    ours = temp / "ctrd-checkpoint111"
+    checkpoint_links.link_images(images, ours, lazy=False)
+    (ours / "restore.log").write_text("criu's log of the restore\n")
+    other = temp / "ctrd-checkpoint222"  # another restore's links, maybe in use
+    other_images = staged(tmp_path / "other")
+    checkpoint_links.link_images(other_images, other, lazy=False)
+    shutil.rmtree(images)  # memory on demand removes the images once every page is delivered
+    assert checkpoint_leftovers.remove_unpacked_copies(images, {temp}) == [ours]
+    assert not ours.exists() and other.exists() and (other_images / "pages-1.img").exists()
+
+
+def test_removing_a_copy_of_links_never_touches_what_they_point_to(tmp_path):
+    images = staged(tmp_path)
+    temp = tmp_path / "tmp"
+    checkpoint_links.link_images(images, temp / "ctrd-checkpoint1", lazy=False)
+    checkpoint_leftovers.remove_unpacked_copies(images, {temp})
+    assert sorted(p.name for p in images.iterdir()) == sorted(["inventory.img", "pstree.img", "pages-1.img", "descriptors.json", "dump.log", docker_unit.ROOTFS_TAR])
+    assert (images / "pages-1.img").read_bytes() == b"\1" * 8192
+
+
+def run_wrapper(tmp_path: Path, *args: str, runc_exit: int = 0) -> tuple[int, list[str]]:
+    """The runtime's script in front of a fake runc that prints the arguments it got."""
+    fake_runc = tmp_path / "fake-runc"
+    fake_runc.write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\nexit %d\n' % runc_exit)
+    fake_runc.chmod(0o755)
+    wrapper = tmp_path / "wrapper"
+    wrapper.write_text(lazy_runtime.script(str(fake_runc)))
+    wrapper.chmod(0o755)
+    cp = subprocess.run([str(wrapper), *args], capture_output=True, text=True)
+    return cp.returncode, cp.stdout.splitlines()
+
+
+def test_the_runtime_asks_runc_for_memory_on_demand_only_for_a_checkpoint_with_a_live_socket(tmp_path):
+    checkpoint, work, images = tmp_path / "ctrd-checkpoint1", tmp_path / "bundle" / "work", tmp_path / "images"
+    checkpoint.mkdir()
+    images.mkdir()
+    restore = ["--root", "/run/docker/runtime-coldsnap-runc/moby", "--log", "/l.json", "restore", "--image-path", str(checkpoint), "--work-path", str(work)]
+    restore += ["--detach", "--pid-file", "/p", "-no-subreaper", "--bundle", "/b c", "id"]
+    assert run_wrapper(tmp_path, *restore) == (0, restore)  # no socket: runc's ordinary restore
+    assert not work.exists()
+    with socket.socket(socket.AF_UNIX) as sk:
+        sk.bind(str(images / "lazy-pages.socket"))
+        sk.listen(1)
+        (checkpoint / "lazy-pages.socket").symlink_to(checkpoint_links.link_target(images / "lazy-pages.socket"))
+        assert run_wrapper(tmp_path, *restore) == (0, restore[:5] + ["--lazy-pages"] + restore[5:])
+        # CRIU looks for the daemon in its work directory, where containerd's shim points runc.
+        assert os.readlink(work / "lazy-pages.socket") == str(images / "lazy-pages.socket")
+        for argv in (["--root", "/r", "state", "id"], ["--root", "/r", "checkpoint", "--image-path", str(checkpoint), "id"]):
+            assert run_wrapper(tmp_path, *argv) == (0, argv)
+        # A failed restore keeps CRIU's log beside the images: containerd removes the work directory.
+        (work / "restore.log").write_text("(00.1) Error (criu/uffd.c:123): lazy-pages: connect failed\n")
+        rc, _ = run_wrapper(tmp_path, *restore, runc_exit=1)
+        assert rc == 1 and (images / "restore.log").read_text().startswith("(00.1) Error")
+
+
+def test_the_runtime_is_used_only_where_the_daemon_knows_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(lazy_runtime, "WRAPPER", tmp_path / "absent")
+    assert not lazy_runtime.installed("coldsnap-runc,runc")
+    monkeypatch.setattr(lazy_runtime, "WRAPPER", Path(__file__))
+    assert lazy_runtime.installed("coldsnap-runc,runc") and not lazy_runtime.installed("runc")
+
+
+# -- with the real daemon ------------------------------------------------------------------
+
+
+def docker(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def daemon():
+    if not shutil.which("docker") or docker("info").returncode != 0 or docker("image", "inspect", IMAGE).returncode != 0:
+        pytest.fail("no docker daemon with %s: run `sparkrun coldsnap setup --docker`" % IMAGE)
+    image_id = docker("image", "inspect", "--format", "{{.Id}}", IMAGE).stdout.strip()
+    return docker_unit.ContainerSpec(image=image_id, command="sleep 1", env={}, volumes={})
+
+
+def named(name: str) -> list[str]:
+    return docker("ps", "-a", "--filter", "name=^%s$" % name, "--format", "{{.Names}}").stdout.split()
+
+
+def test_no_room_under_dockers_root_is_refused_before_a_container_is_made(daemon, tmp_path, monkeypatch):
+    images = staged(tmp_path)
+    root = Path(docker_unit.info()["root_dir"])
+    real = disk_room.free_bytes
+    monkeypatch.setattr(disk_room, "free_bytes", lambda p: 100 << 20 if Path(p) == root else real(p))
+    with pytest.raises(RestoreError) as err:
+        container_restore.prepare_restore(daemon, images, "coldsnap-test-room-1")
+    assert "\n" not in str(err.value) and "not enough disk space under docker's root %s" % root in str(err.value)
+    assert named("coldsnap-test-room-1") == [] and images.exists()
+
+
+def test_a_writable_layer_docker_cannot_load_leaves_no_container(daemon, tmp_path):
+    images = staged(tmp_path)
+    (images / docker_unit.ROOTFS_TAR).write_bytes(b"this is not a tar archive" * 100)
+    with pytest.raises(RestoreError, match="loading the captured writable layer into the new container failed"):
+        container_restore.prepare_restore(daemon, images, "coldsnap-test-layer-1")
+    assert named("coldsnap-test-layer-1") == []
+    assert images.exists() and not checkpoint_links.home_for(images, "coldsnap-test-layer-1").exists()
+
+
+def test_an_image_that_is_not_here_is_one_line(daemon, tmp_path):
+    images = staged(tmp_path)
+    missing = docker_unit.ContainerSpec(image="sha256:" + "0" * 64, command="sleep 1", env={}, volumes={})
+    with pytest.raises(RestoreError) as err:
+        container_restore.prepare_restore(missing, images, "coldsnap-test-image-1")
+    assert "\n" not in str(err.value) and "creating the container for the restore failed" in str(err.value)
+    assert named("coldsnap-test-image-1") == []
+
+
+def test_a_name_held_by_another_container_is_not_taken(daemon, tmp_path):
+    holder = docker("create", "--name", "coldsnap-test-holder", IMAGE, "true")
+    assert holder.returncode == 0, holder.stderr
+    try:
+        prepared = container_restore.prepare_restore(daemon, staged(tmp_path), "coldsnap-test-prepared-1", lazy=False)
+        images = prepared.images
+        try:
+            with pytest.raises(RestoreError) as err:
+                container_restore.start_from_checkpoint(prepared, "coldsnap-test-holder")
+            assert "\n" not in str(err.value)
+            assert "a container named coldsnap-test-holder already exists (%s)" % holder.stdout.strip()[:12] in str(err.value)
+        finally:
+            prepared.remove()  # what the controller's discard does
+        assert named("coldsnap-test-prepared-1") == [] and not images.exists()
+        assert named("coldsnap-test-holder") == ["coldsnap-test-holder"]  # untouched
+    finally:
+        docker("rm", "-f", "coldsnap-test-holder")
+
+
+def test_a_stale_preparation_is_removed_with_its_images(daemon, tmp_path):
+    prepared = container_restore.prepare_restore(daemon, staged(tmp_path), "coldsnap-test-stale-aaaa1111", lazy=False)
+    assert prepared.images.exists()
+    docker_unit.remove_stale("coldsnap-test-stale-")
+    assert named("coldsnap-test-stale-aaaa1111") == [] and not prepared.images.exists()
+
+
+# -- the compile-cache files the processes map -------------------------------------------------
+
+
+def container_root(tmp_path: Path) -> Path:
+    """A container's root as the host sees it, with two kernels compiled into the cache."""
+    root = tmp_path / "root"
+    kernels = root / "cache" / "runtime" / "vllm" / "inductor"
+    kernels.mkdir(parents=True)
+    (kernels / "a.so").write_bytes(b"kernel a")
+    (kernels / "b.so").write_bytes(b"kernel b")
+    return root
+
+
+def test_only_the_cache_files_in_use_are_kept():
+    mapped = [
+        "/cache/runtime/vllm/inductor/a.so",
+        "/cache/runtime/vllm/inductor/old.so (deleted)",  # CRIU keeps a deleted file itself
+        "/cache/huggingface/hub/model.safetensors",  # the weights: recorded and verified apart
+        "/opt/engine/lib/libtorch.so",  # in the image, pinned by its digest
+        "/cache/runtime/vllm/inductor/a.so",
+    ]
+    assert volume_files.cache_paths(mapped) == ["/cache/runtime/vllm/inductor/a.so"]
+
+
+def test_the_cache_files_the_processes_map_travel_with_the_capsule_and_come_back_where_missing(tmp_path):
+    images = tmp_path / "images"
+    files = ["/cache/runtime/vllm/inductor/a.so", "/cache/runtime/vllm/inductor/b.so"]
+    assert volume_files.save(files, container_root(tmp_path), images) == 2
+    host_cache = tmp_path / "host-cache"  # another host's (or home's) cache: empty
+    volumes = {str(host_cache): "/cache/runtime", "/hf": "/cache/huggingface"}
+    assert volume_files.put_back(images, volumes) == 2
+    assert (host_cache / "vllm" / "inductor" / "a.so").read_bytes() == b"kernel a"
+    assert volume_files.put_back(images, volumes) == 0  # already there, same content
+    (host_cache / "vllm" / "inductor" / "b.so").write_bytes(b"recompiled")
+    with pytest.raises(RestoreError, match=r"b.so differs from the file the captured processes mapped"):
+        volume_files.put_back(images, volumes)
+    with pytest.raises(RestoreError, match="mounts nothing there"):
+        volume_files.put_back(images, {"/hf": "/cache/huggingface"})

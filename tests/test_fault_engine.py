@@ -1,0 +1,191 @@
+"""Faults of the engine and of concurrent operations, through the real API, real CRIU and the
+FAKE SGLang server (tests/fakes/fake_sglang.py: SGLang's HTTP API in one small process tree,
+so these run in seconds and need no engine lock): the engine killed (kill -9) while a capture
+waits for it, a restored workload whose reply differs, a second capture and a second restore
+at the same time. After each: a receipt saying failed (or refused) with its phase and code, no
+process, no staging left, nothing partial visible, and a retry that succeeds."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+from conftest import hf_home
+from registry_fixtures import free_port
+
+from sparkrun_coldsnap import api
+from sparkrun_coldsnap.capsule import gc
+from sparkrun_coldsnap.capsule.store import CapsuleStore
+from sparkrun_coldsnap.documents.request import (
+    CapsuleName,
+    CaptureRequest,
+    Launch,
+    LaunchUnit,
+    ModelRef,
+    RestoreRequest,
+    Topology,
+    ValidationSpec,
+    Workload,
+)
+from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, EngineError, ValidationError
+from sparkrun_coldsnap.host.process_tree import kill_tree
+
+FAKE = Path(__file__).parent / "fakes" / "fake_sglang.py"
+
+
+def snapshot() -> Path:
+    return next((hf_home() / "hub" / "models--coldsnap--tiny-qwen2" / "snapshots").iterdir())
+
+
+def workload(port: int, startup: float = 1.0) -> Workload:
+    snap = snapshot()
+    command = "%s %s --model-path %s --port %d --startup-seconds %s" % (sys.executable, FAKE, snap, port, startup)
+    return Workload(
+        recipe="fault", engine="sglang", runtime="sglang", model=ModelRef(id="coldsnap/tiny-qwen2", revision=snap.name, path=str(snap)),
+        topology=Topology(hosts=("localhost",), units=(LaunchUnit(name="solo", host="localhost"),)),
+        launch=Launch(executor="local", command=command, port=port), driver="cpu",
+    )  # fmt: skip
+
+
+def capture_request(port: int, name: str = "fault", startup: float = 1.0) -> CaptureRequest:
+    return CaptureRequest(workload=workload(port, startup), validation=ValidationSpec(prompt="hello", max_tokens=8), capsule=CapsuleName(name=name), ready_timeout_seconds=60)
+
+
+def restore_request(port: int, name: str = "fault", expected: str | None = None) -> RestoreRequest:
+    return RestoreRequest(
+        workload=workload(port), validation=ValidationSpec(prompt="hello", max_tokens=8, expected_reply=expected), capsule=CapsuleName(name=name),
+        on_missing="fail", on_incompatible="fail", workload_name="coldsnap-fault-test",
+    )  # fmt: skip
+
+
+def fake_processes(port: int) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or ())
+            if str(FAKE) in cmd and "--port %d " % port in cmd + " " and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+def wait_no_process(port: int, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while fake_processes(port):
+        assert time.monotonic() < deadline, "a process of the workload is left: %s" % fake_processes(port)
+        time.sleep(0.05)
+
+
+def nothing_staged(store: CapsuleStore) -> None:
+    assert not store.staging.exists() or [p for p in store.staging.iterdir() if p.name not in ("uploads", "downloads")] == []
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fault-engine")
+    port = free_port()
+    store = CapsuleStore(tmp / "store")
+    out = api.capture(capture_request(port), store=store)
+    assert out.receipt.state == "succeeded"
+    wait_no_process(port)
+    return store, port, out.receipt
+
+
+def test_the_engine_killed_while_capture_waits_for_it(tmp_path):
+    port = free_port()
+    store = CapsuleStore(tmp_path / "store")
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            api.capture(capture_request(port, startup=30), store=store)
+        except ColdsnapError as err:
+            result["err"] = err
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not fake_processes(port):
+        assert time.monotonic() < deadline and t.is_alive(), result
+        time.sleep(0.05)
+    time.sleep(0.3)
+    for p in fake_processes(port):
+        p.kill()  # kill -9 of the engine
+    t.join(60)
+    err = result.get("err")
+    assert isinstance(err, EngineError), result
+    assert err.receipt is not None and err.receipt.state == "failed" and err.receipt.error is not None
+    assert err.receipt.error.phase == "ready" and err.receipt.error.code == "engine.failed"
+    wait_no_process(port)
+    assert store.entries() == [] if store.root.exists() else True
+    nothing_staged(store)
+    out = api.capture(capture_request(port), store=store)  # the retry
+    assert out.receipt.state == "succeeded"
+    wait_no_process(port)
+
+
+def test_a_reply_that_differs_fails_the_restore_and_leaves_nothing(captured):
+    store, port, receipt = captured
+    with pytest.raises(ValidationError) as caught:
+        api.restore(restore_request(port, expected="not what it says"), store=store)
+    r = caught.value.receipt
+    assert r is not None and r.state == "failed" and r.error is not None
+    assert r.error.phase == "validate" and r.error.code == "validation.failed" and r.details.get("workload_state") == "stopped"
+    wait_no_process(port)
+    nothing_staged(store)
+    done = api.restore(restore_request(port), store=store)  # the retry, expecting what capture recorded
+    try:
+        assert done.outcome.receipt.validation is not None and done.outcome.receipt.validation.reply == receipt.validation.reply  # type: ignore[union-attr]
+    finally:
+        kill_tree(done.outcome.root_pid, grace=2.0)
+    wait_no_process(port)
+
+
+def test_a_second_restore_while_the_first_serves_is_refused_and_the_first_serves_on(captured):
+    store, port, receipt = captured
+    first = api.restore(restore_request(port), store=store)
+    try:
+        with pytest.raises(CompatibilityError) as caught:
+            api.prepare(restore_request(port), store=store)
+        r = caught.value.receipt
+        assert r is not None and r.state == "refused" and r.error is not None and r.error.phase == "prepare.admission"
+        assert "captured PID" in caught.value.message and caught.value.exit_code == 3
+        nothing_staged(store)
+        reply = requests.post(
+            "http://127.0.0.1:%d/v1/chat/completions" % port, json={"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}, timeout=10
+        ).json()
+        assert reply["choices"][0]["message"]["content"] == receipt.validation.reply  # type: ignore[union-attr]
+    finally:
+        kill_tree(first.outcome.root_pid, grace=2.0)
+    wait_no_process(port)
+
+
+def test_two_captures_into_one_store_at_once_both_complete_and_leave_no_garbage(tmp_path):
+    store = CapsuleStore(tmp_path / "store")
+    ports = [free_port(), free_port()]
+    results: list = [None, None]
+
+    def run(i: int) -> None:
+        try:
+            results[i] = api.capture(capture_request(ports[i], name="twin-%d" % i), store=store).receipt
+        except ColdsnapError as err:
+            results[i] = err
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert all(getattr(r, "state", None) == "succeeded" for r in results), results
+    assert sorted(e.ref or "" for e in store.entries()) == ["twin-0:latest", "twin-1:latest"]
+    for ref in ("twin-0", "twin-1"):
+        assert api.verify(ref, store=store).state == "succeeded"
+    assert gc.collect(store, apply=False).items == []
+    for port in ports:
+        wait_no_process(port)

@@ -1,0 +1,197 @@
+"""Hostile input, generated (hypothesis): every document parser either accepts or raises the
+plugin's own one-line error, and a capsule layer can write nothing outside its staging
+directory, whatever its tar says."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+from helpers import make_capsule
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError as PydanticValidationError
+
+from sparkrun_coldsnap import api
+from sparkrun_coldsnap.capsule import capsule as capsule_mod
+from sparkrun_coldsnap.capsule import media
+from sparkrun_coldsnap.capsule.pack import unpack_layer
+from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor
+from sparkrun_coldsnap.documents.receipts import Receipt
+from sparkrun_coldsnap.documents.recipe_block import parse_block
+from sparkrun_coldsnap.errors import ColdsnapError, IntegrityError, RequestError, StoreError
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=5),
+    max_leaves=20,
+)
+BLOCK_KEYS = ["capsule", "driver", "engine", "engine_env", "on_incompatible", "on_missing", "ready_timeout_seconds", "recapture", "validation", "weights"]
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@FAST
+@given(st.one_of(JSON, st.dictionaries(st.sampled_from(BLOCK_KEYS), JSON, max_size=6)))
+def test_a_recipe_block_is_accepted_or_refused_in_one_line(value):
+    try:
+        parse_block(value, source="r.yaml")
+    except RequestError as err:
+        assert err.exit_code == 2 and "\n" not in err.message and err.message.startswith("r.yaml")
+
+
+@FAST
+@given(st.one_of(st.text(max_size=200), JSON.map(json.dumps)))
+def test_a_request_document_is_accepted_or_refused_in_one_line(text):
+    try:
+        api.load_request(text, source="doc.json")
+    except RequestError as err:
+        assert err.exit_code == 2 and "\n" not in err.message
+
+
+@FAST
+@given(st.dictionaries(st.sampled_from(["format", "operation", "workload", "validation", "capsule", "request_sha256", "workload_name"]), JSON, max_size=7))
+def test_request_shaped_documents_are_refused_by_field(doc):
+    doc.setdefault("format", 1)
+    try:
+        api.load_request(json.dumps(doc), source="doc.json")
+    except RequestError as err:
+        assert "\n" not in err.message
+
+
+@FAST
+@given(JSON)
+def test_a_capsule_config_is_accepted_or_refused_as_damaged(doc):
+    if isinstance(doc, dict):
+        doc.setdefault("format", 1)
+    try:
+        capsule_mod.parse_config("sha256:" + "0" * 64, doc if isinstance(doc, dict) else {"format": 1, "x": doc})
+    except (IntegrityError, StoreError) as err:
+        assert "\n" not in err.message
+
+
+@FAST
+@given(JSON)
+def test_a_manifest_is_accepted_or_refused(doc):
+    desc = Descriptor(media.OCI_MANIFEST, "sha256:" + "0" * 64, 10)
+    try:
+        capsule_mod.parse_manifest(desc, doc if isinstance(doc, dict) else {"value": doc})
+        layers = [Descriptor.from_json(d) for d in doc.get("layers") or []] if isinstance(doc, dict) and isinstance(doc.get("layers"), list) else []
+        assert all(d.digest.startswith("sha256:") for d in layers)
+    except (IntegrityError, StoreError, AttributeError, TypeError):
+        # AttributeError/TypeError only from this test's own walk of a non-list "layers"
+        pass
+
+
+@FAST
+@given(JSON)
+def test_a_receipt_is_accepted_or_refused_by_its_model(doc):
+    try:
+        r = Receipt.model_validate(doc)
+    except PydanticValidationError:
+        return
+    assert Receipt.model_validate_json(r.model_dump_json()) == r
+
+
+# -- layers ------------------------------------------------------------------
+
+KINDS = {"file": tarfile.REGTYPE, "dir": tarfile.DIRTYPE, "symlink": tarfile.SYMTYPE, "hardlink": tarfile.LNKTYPE, "chardev": tarfile.CHRTYPE, "fifo": tarfile.FIFOTYPE}
+NAMES = st.one_of(
+    st.sampled_from(["solo/core-1.img", "solo/pages-1.img", "/etc/passwd", "../escape", "solo/../../escape", "solo/./x", "./solo/y", "solo//z", ".."]),
+    st.lists(st.sampled_from(["solo", "a", "..", ".", "b.img", "/", ""]), min_size=1, max_size=4).map("/".join),
+)
+MEMBERS = st.lists(st.tuples(NAMES, st.sampled_from(sorted(KINDS)), st.integers(0, 3000), st.sampled_from(["x", "/etc", "../../out", "solo/core-1.img"])), min_size=1, max_size=5)
+
+
+def _layer(members) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, kind, size, link in members:
+            info = tarfile.TarInfo(name)
+            info.type = KINDS[kind]
+            info.mode = 0o6777
+            if kind == "file":
+                info.size = size
+                tar.addfile(info, io.BytesIO(b"\1" * size))
+            else:
+                info.linkname = link
+                tar.addfile(info)
+    return buf.getvalue()
+
+
+def _publish_layer(store: CapsuleStore, data: bytes, declared: int | None) -> Descriptor:
+    annotations = {media.A_UNPACKED_SIZE: str(declared)} if declared is not None else None
+    d = store.put_bytes(data, media.LAYER_TAR)
+    return Descriptor(media.LAYER_TAR, d.digest, d.size, annotations)
+
+
+def _everything(root: Path) -> set[Path]:
+    return {p for p in root.rglob("*")}
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(members=MEMBERS, declared_slack=st.integers(-2000, 2000))
+def test_a_layer_writes_only_plain_files_inside_its_staging(tmp_path_factory, members, declared_slack):
+    tmp = tmp_path_factory.mktemp("layer")
+    store = CapsuleStore(tmp / "store").init()
+    outside = tmp / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("x")
+    dest = tmp / "stage" / "units"
+    dest.mkdir(parents=True)
+    plain = sum(size for _, kind, size, _ in members if kind == "file")
+    desc = _publish_layer(store, _layer(members), max(plain + declared_slack, 0))
+    before = _everything(tmp) - _everything(dest)
+    try:
+        unpack_layer(store, desc, dest)
+    except ColdsnapError:
+        pass
+    assert _everything(tmp) - _everything(dest) == before  # nothing written outside the staging
+    for p in dest.rglob("*"):
+        assert not p.is_symlink() and (p.is_file() or p.is_dir())
+        assert p.resolve().is_relative_to(dest.resolve())
+        if p.is_file():
+            assert p.stat().st_mode & 0o7022 == 0  # no setuid/setgid/sticky, nothing for others to write
+
+
+@pytest.mark.parametrize(
+    "members, why",
+    [
+        ([("/etc/cron.d/x", "file", 10, "")], "not a plain relative file"),
+        ([("solo/../../x", "file", 10, "")], "not a plain relative file"),
+        ([("solo/link", "symlink", 0, "/etc/shadow")], "not a plain relative file"),
+        ([("solo/hard", "hardlink", 0, "solo/core-1.img")], "not a plain relative file"),
+        ([("solo/dev", "chardev", 0, "")], "not a plain relative file"),
+        ([("solo/a", "file", 10, ""), ("solo/a", "file", 10, "")], "twice"),
+    ],
+)
+def test_hostile_layers_are_refused_naming_the_member(tmp_path, members, why):
+    store = CapsuleStore(tmp_path / "store").init()
+    desc = _publish_layer(store, _layer(members), 100)
+    with pytest.raises(IntegrityError, match=why):
+        unpack_layer(store, desc, tmp_path / "stage")
+
+
+def test_a_layer_larger_than_it_declares_is_refused(tmp_path):
+    store = CapsuleStore(tmp_path / "store").init()
+    desc = _publish_layer(store, _layer([("solo/pages-1.img", "file", 5000, "")]), 4000)
+    with pytest.raises(IntegrityError, match="more than the 4000 bytes its manifest declares"):
+        unpack_layer(store, desc, tmp_path / "stage")
+
+
+def test_a_layer_declaring_more_than_the_disk_has_is_refused_before_writing(tmp_path):
+    store = CapsuleStore(tmp_path / "store").init()
+    desc = _publish_layer(store, _layer([("solo/pages-1.img", "file", 10, "")]), 1 << 60)
+    with pytest.raises(StoreError, match="free space there"):
+        unpack_layer(store, desc, tmp_path / "stage")
+    assert not any((tmp_path / "stage").rglob("*"))
+
+
+def test_a_real_capsule_still_unpacks(tmp_path):
+    store = CapsuleStore(tmp_path / "store")
+    cap = make_capsule(store, tmp_path, pages_mb=1)
+    for d in cap.layers:
+        unpack_layer(store, d, tmp_path / "stage")
+    assert (tmp_path / "stage" / "solo" / "core-1.img").is_file()
