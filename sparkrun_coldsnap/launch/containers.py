@@ -54,6 +54,7 @@ class StagedContainer:
 class Containers(Launcher):
     executor = "docker"
     stage_phase = "prepare.container"
+    summary = "Docker containers: captured with docker checkpoint, restored into a new container under sparkrun's name"
 
     def engine_env(self, workload: Workload, engine_env: EngineEnv | None, base_env: Mapping[str, str]) -> dict[str, str]:
         return dict(workload.launch.env)  # a container gets only the workload's

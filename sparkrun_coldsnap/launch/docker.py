@@ -98,16 +98,16 @@ def daemon_running() -> bool:
 
 def check_checkpointing() -> None:
     """The daemon can checkpoint: experimental mode, a CRIU >= 4.2 on PATH for runc, runc's CRIU options."""
-    from sparkrun_coldsnap.drivers.criu_tool import Criu
+    from sparkrun_coldsnap.drivers import criu_tool
 
     problems = []
     if info().get("experimental") != "true":
         problems.append('dockerd is not in experimental mode (set {"experimental": true} in /etc/docker/daemon.json)')
-    criu = shutil.which("criu")
-    if not criu:
+    criu = criu_tool.for_runc()
+    if criu is None:
         problems.append("runc finds no criu on PATH")
-    elif Criu.locate().source != "system":
-        problems.append("the criu on PATH is not >= 4.2")
+    elif not criu.usable:
+        problems.append("the criu runc runs (%s) cannot be used: %s" % (criu.path, criu.problem))
     missing = missing_runc_options()
     if missing:
         problems.append("%s lacks %s" % (RUNC_CRIU_CONF, ", ".join(missing)))

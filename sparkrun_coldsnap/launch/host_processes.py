@@ -51,6 +51,7 @@ class StagedTree:
 class HostProcesses(Launcher):
     executor = "local"
     stage_phase = "prepare.warm_up"
+    summary = "host processes: captured where they run, restored into PID, mount and network namespaces of their own"
 
     def engine_env(self, workload: Workload, engine_env: EngineEnv | None, base_env: Mapping[str, str]) -> dict[str, str]:
         # A host process inherits the plugin's environment, as sparkrun's local executor's would.
