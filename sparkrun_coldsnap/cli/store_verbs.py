@@ -154,6 +154,8 @@ def collect_garbage(store, apply, as_json):
             click.echo("stopped %s" % what, err=as_json)
         if recovered.io_uring is not None:
             click.echo("put kernel.io_uring_disabled back to %s" % recovered.io_uring, err=as_json)
+        if recovered.temp_files:
+            click.echo("removed %d file(s) stopped engines left in /tmp (vLLM's sockets and init files)" % len(recovered.temp_files), err=as_json)
     if as_json:
         emit_json({"store": str(s.root), "applied": apply, **found.to_json()})
         return

@@ -3,8 +3,6 @@ still serves), then activate (restore, bring the weights back, validate)."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +19,7 @@ from sparkrun_coldsnap.documents.receipts import ReceiptBuilder, Weights
 from sparkrun_coldsnap.documents.request import RestoreRequest
 from sparkrun_coldsnap.documents.settings import Settings
 from sparkrun_coldsnap.errors import CompatibilityError, RestoreError, ValidationError
-from sparkrun_coldsnap.host import paths
+from sparkrun_coldsnap.host import engine_temp, paths
 from sparkrun_coldsnap.host.atomic import owned_prefix
 from sparkrun_coldsnap.host.ports import port_holder_settled
 from sparkrun_coldsnap.launch.base import StagedUnit
@@ -33,8 +31,7 @@ def new_restore_staging(store: CapsuleStore, unpacked_bytes: int) -> Path:
     """Memory-backed staging when there is room for it, else the store's own."""
     memory = paths.memory_staging(unpacked_bytes)
     if memory is not None:
-        memory.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=owned_prefix("restore-"), dir=memory))
+        return paths.new_memory_staging(memory, owned_prefix("restore-"))
     return store.new_staging_dir("restore-")
 
 
@@ -84,7 +81,7 @@ def prepare_restore(req: RestoreRequest, *, store: CapsuleStore, settings: Setti
         total = sum(d.size for d in cap.layers)
         unpacked = sum(int((d.annotations or {}).get(media.A_UNPACKED_SIZE, d.size)) for d in cap.layers)
         staging = new_restore_staging(store, unpacked)
-        attempt.on_failure(lambda: shutil.rmtree(staging, ignore_errors=True))
+        attempt.on_failure(lambda: paths.remove_staging(staging))
         with rb.phase("prepare.stage"), progress.transfer("verifying and unpacking capsule %s" % req.capsule.ref, total) as tick:
             for d in cap.layers:
                 unpack_layer(store, d, staging / "units", tick=tick)
@@ -138,6 +135,7 @@ def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Pro
                 )
             rb.details["prepare_seconds"] = round(prepared.prepare_seconds, 4)
             rb.details["root_pid"] = root_pid
+            engine_temp.sweep()  # what the workload this one replaced left in /tmp
             return ServingOutcome(finish(rb, None), root_pid, validation.ttft_seconds, running)
     finally:
         prepared.discard()

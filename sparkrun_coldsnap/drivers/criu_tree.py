@@ -21,7 +21,6 @@ import functools
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -362,7 +361,7 @@ def restore(
     if daemon is not None and owned_dir is not None and daemon.poll() is not None:
         # A small tree's pages can all be delivered before criu restore has finished writing
         # its statistics there: the daemon's removal then raced it, so remove again.
-        shutil.rmtree(owned_dir, ignore_errors=True)
+        paths.remove_staging(owned_dir)
     try:
         return int(pidfile.read_text().strip()), daemon is not None and owned_dir is not None
     except (OSError, ValueError) as err:

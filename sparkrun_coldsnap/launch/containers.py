@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sparkrun_coldsnap.errors import CaptureError
+from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.launch import checkpoint_leftovers, docker
 from sparkrun_coldsnap.launch.base import Launcher, Progress, RunningUnit
 from sparkrun_coldsnap.launch.docker import ContainerSpec
@@ -88,5 +88,5 @@ class Containers(Launcher):
         try:
             staged = StagedContainer(driver, driver.prepare_container(image, images, spec, temp))
         finally:
-            shutil.rmtree(staging, ignore_errors=True)  # the container holds its own copy now
+            paths.remove_staging(staging)  # the container holds its own copy now
         return staged

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sparkrun_coldsnap.host import file_drift
+from sparkrun_coldsnap.host import file_drift, paths
 from sparkrun_coldsnap.host.file_drift import RecordedFile
 from sparkrun_coldsnap.host.process_tree import tree_pids
 from sparkrun_coldsnap.launch.base import Launcher, Progress, RunningUnit
@@ -44,7 +43,7 @@ class StagedTree:
             self.warm.close()
             self.warm = None
         if not self._handed_over:
-            shutil.rmtree(self.staging, ignore_errors=True)
+            paths.remove_staging(self.staging)
             self._handed_over = True
 
 
