@@ -288,6 +288,30 @@ def test_sparkrun_run_pulls_a_published_capsule_before_restoring(captured, spark
         registry.stop()
 
 
+def test_on_a_host_without_the_model_sparkrun_run_fetches_capsule_and_weights_while_preparing(captured, sparkrun, tmp_path):
+    store, _, receipt = captured
+    registry = Registry(tmp_path / "registry").start()
+    try:
+        target = "%s/capsules/tiny" % registry.host
+        sparkrun.coldsnap("publish", "tiny", target + ":latest", "--store", str(store), "--plain-http", "--with-weights")
+        # This host has neither the capsule nor the model: an empty Hugging Face cache.
+        bare = Sparkrun(sparkrun.home, {**sparkrun.env, "HF_HOME": str(tmp_path / "hf")})
+        empty = tmp_path / "fresh-store"
+        recipe = recipe_with_store(tmp_path, empty, extra="  on_missing: fail\n", capsule_extra="    repository: %s\n    plain_http: true\n" % target)
+        out = bare("run", str(recipe), "-H", "localhost", "--no-follow")
+        text = out.stderr + out.stdout
+        # Fetched in sparkrun's preparation, before its own model check would have stopped the run.
+        assert "fetched" in text and "model file(s) from the capsule's weights artifact" in text, text[-3000:]
+        assert text.index("pulled tiny:latest") < text.index("restored tiny:latest")
+        snapshot = tmp_path / "hf" / "hub" / "models--coldsnap--tiny-qwen2" / "snapshots" / "973ff5dd93da77ddc2a1bffa8e29d4d207f245dd"
+        assert (snapshot / "config.json").is_file()
+        assert ask() == receipt["validation"]["reply"]
+        bare("stop", str(recipe), "-H", "localhost")
+        wait_gone()
+    finally:
+        registry.stop()
+
+
 def test_capture_without_room_is_refused_before_the_dump_and_leaves_nothing(sparkrun, tmp_path):
     require_engine()
     small = tmp_path / "small"
