@@ -77,8 +77,11 @@ def inspect(capsule, store, as_json):
         size = sum(f.size for f in c.weights.native.files) / 1e6
         click.echo("native weights: %s, %.1f MB: %s" % (short(c.weights.native.digest), size, where))
     fp = c.fingerprint
-    click.echo("fingerprint: %s, kernel %s, criu %s, %s python %s torch %s, gpus %s" % (
-        fp.cpu_arch, fp.kernel_release, fp.criu_version, fp.engine, fp.python_version, fp.torch_version, len(fp.gpus)))  # fmt: skip
+    click.echo("fingerprint: %s, kernel %s, criu %s, %s %s, python %s, torch %s, gpus %s" % (
+        fp.cpu_arch, fp.kernel_release, fp.criu_version, fp.engine, fp.engine_version or "(version not recorded)",
+        fp.python_version or "not recorded", fp.torch_version or "not recorded", len(fp.gpus)))  # fmt: skip
+    if c.workload.launch.image:
+        click.echo("image:    %s (%s)" % (c.workload.launch.image.split("@", 1)[0], c.workload.launch.image.split("@", 1)[-1]))
     click.echo("layers:")
     for d in cap.layers:
         a = d.annotations or {}

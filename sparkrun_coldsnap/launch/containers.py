@@ -25,6 +25,7 @@ def container_spec(workload: Workload, command: str, env: Mapping[str, str], lab
         raise CaptureError("the recipe runs in a container but names no image pinned by digest: set container:")
     return ContainerSpec(
         image=workload.launch.image.split("@", 1)[1],
+        image_name=workload.launch.image.split("@", 1)[0],
         command=command,
         env=dict(env),
         volumes=dict(workload.launch.volumes),

@@ -139,6 +139,8 @@ class ContainerSpec:
     labels: Mapping[str, str] = field(default_factory=dict)
     #: GPU indices the container gets, as entries of its spec (gpu_container.py says why)
     gpus: tuple[str, ...] = ()
+    #: the name the recipe gave the image (``repo:tag``), recorded beside its id for people
+    image_name: str | None = None
 
     def create_args(self, name: str, *, auto_remove: bool = False, runtime: str | None = None) -> list[str]:
         """``docker create`` arguments; *auto_remove* as sparkrun's own launches (never for a
@@ -165,13 +167,15 @@ class ContainerSpec:
         doc = {"image": self.image, "command": self.command, "env": dict(self.env), "volumes": dict(self.volumes), "shm_size": self.shm_size}
         if self.gpus:
             doc["gpus"] = list(self.gpus)
+        if self.image_name:
+            doc["image_name"] = self.image_name
         return doc
 
     @classmethod
     def from_json(cls, doc: dict, *, labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None, volumes: Mapping[str, str] | None = None) -> ContainerSpec:
         return cls(
             doc["image"], doc["command"], dict(env if env is not None else doc["env"]), dict(volumes if volumes is not None else doc["volumes"]),
-            doc.get("shm_size", "32g"), dict(labels or {}), tuple(doc.get("gpus", ())),
+            doc.get("shm_size", "32g"), dict(labels or {}), tuple(doc.get("gpus", ())), doc.get("image_name"),
         )  # fmt: skip
 
 
