@@ -97,14 +97,15 @@ def identity_differences(captured: Workload, requested: Workload, *, port_forwar
 
 
 def admission(
-    cfg: CapsuleConfig, req: RestoreRequest, here: Fingerprint, driver: SnapshotDriver, adapter: EngineAdapter,
+    cfg: CapsuleConfig, req: RestoreRequest, here: Fingerprint, driver: SnapshotDriver, adapter: EngineAdapter, *,
+    replacing: frozenset[int] = frozenset(),
 ) -> tuple[list[str], weight_paths.WeightChoice | None]:  # fmt: skip
     """What refuses this restore here (empty: nothing), and how its weights would come back."""
     forwarded = driver.own_namespaces and req.workload.launch.executor == "local"
     problems = ["recipe changed since capture: %s" % d for d in identity_differences(cfg.workload, req.workload, port_forwarded=forwarded)]
     problems += [str(m) for m in compare(cfg.fingerprint, here)]
     for unit in cfg.units:
-        problems += driver.admission(unit)
+        problems += driver.admission(unit, replacing=replacing)
         drifted = file_drift.differences(unit.files)
         if drifted:
             problems.append(file_drift.refusal(drifted))

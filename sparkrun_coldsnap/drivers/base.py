@@ -124,8 +124,12 @@ class SnapshotDriver(ABC):
         """Capture the tree rooted at *root_pid* into *images*; the tree is gone afterwards."""
 
     @abstractmethod
-    def admission(self, unit: UnitImage) -> list[str]:
-        """Host-side problems that would make restoring *unit* fail (PIDs, files in use)."""
+    def admission(self, unit: UnitImage, *, replacing: frozenset[int] = frozenset()) -> list[str]:
+        """Host-side problems that would make restoring *unit* fail (PIDs, files in use).
+
+        *replacing* is the PIDs of the workload the restore replaces: what they hold is freed
+        when sparkrun stops that workload, after staging and before the restore, so it is no
+        problem."""
 
     def warm_up(self, unit: UnitImage) -> Any:
         """Start, during preparation, what a restore of *unit* will need and that does not

@@ -53,7 +53,7 @@ class CpuDriver(CriuDriver):
     def checkpoint(self, root_pid: int, images: Path, *, unit: str, host: str, progress: Progress) -> UnitImage:
         return criu_tree.dump(Criu.locate(), root_pid, images, unit=unit, host=host, driver=self.name, progress=progress)
 
-    def admission(self, unit: UnitImage) -> list[str]:
+    def admission(self, unit: UnitImage, *, replacing: frozenset[int] = frozenset()) -> list[str]:
         # Restored in namespaces of its own, the tree needs none of the host's PIDs,
         # shared-memory names or ports: nothing on the host can be in its way.
         return []

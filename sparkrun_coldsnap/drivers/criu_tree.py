@@ -222,17 +222,20 @@ def pid_problems(pids: tuple[int, ...], *, zombie_wait: float = 5.0) -> list[str
     return ["captured PID %d is taken by %s (%s): restore needs it free; stop that process" % held_pid for held_pid in held]
 
 
-def restore_problems(unit: UnitImage) -> list[str]:
+def restore_problems(unit: UnitImage, *, replacing: frozenset[int] = frozenset()) -> list[str]:
     """What on this host stops *unit* from coming back: its captured PIDs (a tree restored
-    into the host PID namespace needs them free) and its shared files in use."""
-    return ([] if unit.pid_namespace else pid_problems(unit.pids)) + shared_file_problems(unit)
+    into the host PID namespace needs them free) and its shared files in use; what the
+    processes in *replacing* (the workload being replaced, stopped before the restore) hold
+    is not in the way."""
+    pids = tuple(p for p in unit.pids if p not in replacing)
+    return ([] if unit.pid_namespace else pid_problems(pids)) + shared_file_problems(unit, replacing=replacing)
 
 
-def shared_file_problems(unit: UnitImage) -> list[str]:
+def shared_file_problems(unit: UnitImage, *, replacing: frozenset[int] = frozenset()) -> list[str]:
     paths = {f.path for f in unit.shared_files}
     return [
         "%s is in use by pid %s: stop that workload before restoring this capsule" % (path, ", ".join(who))
-        for path, who in sorted(users_of(paths).items())
+        for path, who in sorted(users_of(paths, exclude=replacing).items())
     ]
 
 

@@ -81,10 +81,10 @@ class N610Driver(CriuDriver):
         data: dict[str, Any] = {"cuda_pids": cuda, "gpu_uuids": uuids, "host_gpu_uuids": every, "driver_version": api.driver_version}
         return image.model_copy(update={"driver_data": data})
 
-    def admission(self, unit: UnitImage) -> list[str]:
+    def admission(self, unit: UnitImage, *, replacing: frozenset[int] = frozenset()) -> list[str]:
         if _lazy_wanted():
             criu_tree.lazy_pages_supported(Criu.locate())  # probed now, off the restore clock
-        return criu_tree.restore_problems(unit)
+        return criu_tree.restore_problems(unit, replacing=replacing)
 
     def warm_up(self, unit: UnitImage) -> cuda_checkpoint.HelperProcess:
         # The helper's CUDA initialization takes seconds: let it happen before the clock starts.

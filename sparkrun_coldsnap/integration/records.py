@@ -34,3 +34,15 @@ def register_local(name: str, pid: int) -> Path:
     write_bytes(pidfile.with_name(pidfile.name + ".owner"), get_application_profile().id.encode())
     write_bytes(pidfile, ("%d\n" % pid).encode())
     return pidfile
+
+
+def registered_pid(name: str) -> int | None:
+    """The process sparkrun's local executor has recorded as workload *name* (alive), if any."""
+    import psutil
+
+    pidfile, _ = local_record_paths(name)
+    try:
+        pid = int(pidfile.read_text().strip())
+        return pid if psutil.pid_exists(pid) else None
+    except (OSError, ValueError):
+        return None

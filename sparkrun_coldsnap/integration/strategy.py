@@ -103,11 +103,17 @@ class Strategy:
                         "capsule %s is not in %s and the recipe sets on_missing: fail: run `sparkrun coldsnap capture %s` first"
                         % (req.capsule.ref, store.root, source_of(context.execution.plan.recipe))
                     ) from None
-            plan = api.prepare(req, store=store, settings=settings, progress=Progress())
+            old_root, replacing = _replaced_tree(req)
+            plan = api.prepare(req, store=store, settings=settings, progress=Progress(), replacing=replacing)
             if plan.refused is not None:
                 _write_receipt(context, plan.refused)
             if plan.prepared is not None:
                 _say("capsule %s admitted and staged in %.1f s (before the old workload is stopped)" % (req.capsule.ref, plan.prepared.prepare_seconds))
+                if plan.prepared.held_by_replaced:
+                    _say(
+                        "the workload this run replaces (pid %d) holds what the restore needs (%s): sparkrun stops it next, before the restore"
+                        % (old_root or 0, "; ".join(plan.prepared.held_by_replaced))
+                    )
             return plan
         except ColdsnapError as err:
             _write_failure_receipt(context, err)
@@ -149,6 +155,18 @@ class Strategy:
                 "and its TTFT is a request of its own sent after this validation"
             )
         return ActivationResult(rc=0, runtime_info={"coldsnap": "restored %s" % digest, "coldsnap_ttft_s": ttft})
+
+
+def _replaced_tree(req: RestoreRequest) -> tuple[int | None, frozenset[int]]:
+    """The root and processes of the host-process workload this run replaces (sparkrun stops it
+    after preparation): what they hold does not refuse the capsule."""
+    from sparkrun_coldsnap.host.process_tree import tree_pids
+    from sparkrun_coldsnap.integration.records import registered_pid
+
+    if req.workload.launch.executor != "local":
+        return None, frozenset()
+    pid = registered_pid(req.workload_name)
+    return (pid, frozenset(tree_pids(pid))) if pid else (None, frozenset())
 
 
 def _register(name: str, pid: int) -> None:
