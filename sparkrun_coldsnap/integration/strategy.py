@@ -130,6 +130,8 @@ class Strategy:
         name = workload_name(context)
         _, log_path = local_record_paths(name)
         local = plan.request.workload.launch.executor == "local"
+        if local:
+            _stop_replaced(name)
         try:
             done = api.activate(plan, log_path=log_path, on_started=(lambda pid: _register(name, pid)) if local else None, progress=Progress(), on_note=_say)
         except ColdsnapError as err:
@@ -167,6 +169,23 @@ def _replaced_tree(req: RestoreRequest) -> tuple[int | None, frozenset[int]]:
         return None, frozenset()
     pid = registered_pid(req.workload_name)
     return (pid, frozenset(tree_pids(pid))) if pid else (None, frozenset())
+
+
+def _stop_replaced(name: str) -> None:
+    """Stop the host-process workload this run replaces, now that the new one is staged.
+
+    sparkrun's eviction leaves a workload that keeps its name (the same recipe run again) to
+    its runtime's own launch, which removes it by name first; a strategy replaces that launch,
+    so the plugin does it here, after preparation and before the restore or start.
+    """
+    from sparkrun_coldsnap.host.process_tree import kill_tree
+    from sparkrun_coldsnap.integration.records import registered_pid
+
+    pid = registered_pid(name)
+    if pid is None:
+        return
+    _say("stopping the workload this run replaces (pid %d), now that the new one is staged" % pid)
+    kill_tree(pid, grace=10.0)
 
 
 def _register(name: str, pid: int) -> None:
