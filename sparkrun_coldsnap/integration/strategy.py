@@ -111,7 +111,7 @@ class Strategy:
                 _say("capsule %s admitted and staged in %.1f s (before the old workload is stopped)" % (req.capsule.ref, plan.prepared.prepare_seconds))
                 if plan.prepared.held_by_replaced:
                     _say(
-                        "the workload this run replaces (pid %d) holds what the restore needs (%s): sparkrun stops it next, before the restore"
+                        "the workload this run replaces (pid %d) holds what the restore needs (%s): it is stopped next, before the restore"
                         % (old_root or 0, "; ".join(plan.prepared.held_by_replaced))
                     )
             return plan
