@@ -22,7 +22,7 @@ import psutil
 
 from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.drivers.base import Progress, UnitImage
-from sparkrun_coldsnap.drivers.criu_tool import Criu, log_tail
+from sparkrun_coldsnap.drivers.criu_tool import Criu, how_it_ended, log_tail
 from sparkrun_coldsnap.drivers.criu_tree import BASE_FLAGS, RESTORE_LOG, TCP_FLAGS
 from sparkrun_coldsnap.errors import RestoreError
 from sparkrun_coldsnap.host import paths
@@ -83,8 +83,11 @@ def restore(criu: Criu, unit: UnitImage, images: Path, *, log_path: Path, progre
         said = {"error": "the namespace keeper ended (exit %s)" % keeper.wait()}
     if "root_pid" not in said:
         keeper.wait()
-        detail = "%s: %s" % (said["error"], log_tail(images / RESTORE_LOG)) if said["error"].startswith("criu") else said["error"]
-        raise RestoreError("criu restore of unit %s in its own namespaces failed after %.1f s: %s" % (unit.name, time.monotonic() - t, detail))
+        words = said["error"].split()
+        if len(words) == 2 and words[0] == "criu" and words[1].lstrip("-").isdigit():
+            ended = "criu restore of unit %s in its own namespaces %s" % (unit.name, how_it_ended(int(words[1])))
+            raise RestoreError("%s (after %.1f s): %s" % (ended, time.monotonic() - t, log_tail(images / RESTORE_LOG)))
+        raise RestoreError("criu restore of unit %s in its own namespaces failed after %.1f s: %s" % (unit.name, time.monotonic() - t, said["error"].strip()))
     # The keeper outlives this process (it forwards the port while the tree lives); nothing waits
     # for it here, so do not leave a Popen that would warn about it.
     keeper.returncode = 0

@@ -97,7 +97,8 @@ def _init(spec: dict[str, Any], report: int) -> int:
     args = list(spec["criu_argv"]) + ["restore", "-D", "/proc/self/fd/%d" % images] + list(spec["restore_args"])
     if spec.get("log_resource"):
         args += ["--inherit-fd", "fd[%d]:%s" % (log_fd, spec["log_resource"])]
-    criu = os.posix_spawn(args[0], args, dict(spec["env"]), file_actions=[(os.POSIX_SPAWN_DUP2, out, 1), (os.POSIX_SPAWN_DUP2, out, 2)])
+    # posix_spawnp: the CRIU command may name its program by name (COLDSNAP_CRIU="sh script ...").
+    criu = os.posix_spawnp(args[0], args, dict(spec["env"]), file_actions=[(os.POSIX_SPAWN_DUP2, out, 1), (os.POSIX_SPAWN_DUP2, out, 2)])
     _, status = os.waitpid(criu, 0)
     os.close(log_fd)
     rc = os.waitstatus_to_exitcode(status)
