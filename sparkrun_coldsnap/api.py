@@ -14,7 +14,7 @@ failed (or refused) one and whose ``exit_code`` is the documented code.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,8 +100,14 @@ class Plan:
             self.prepared = None
 
 
-def prepare(request: RestoreRequest, *, store: CapsuleStore | str | Path | None = None, settings: Settings | None = None, progress: Progress = QUIET) -> Plan:
+def prepare(
+    request: RestoreRequest, *, store: CapsuleStore | str | Path | None = None, settings: Settings | None = None, progress: Progress = QUIET,
+    replacing: Iterable[int] = (),
+) -> Plan:  # fmt: skip
     """Everything that can fail before the old workload is stopped: admission and staging.
+
+    *replacing*: the PIDs of the workload the restore replaces (its manager stops it between
+    preparation and activation); what they hold does not refuse the capsule.
 
     A missing capsule follows the request's ``on_missing``, a refused one its
     ``on_incompatible``: ``fail`` raises, ``vanilla`` plans a vanilla start.
@@ -115,7 +121,7 @@ def prepare(request: RestoreRequest, *, store: CapsuleStore | str | Path | None 
             raise NotFoundError("capsule %s is not in %s and the request says on_missing: fail: capture it first" % (request.capsule.ref, s.root)) from None
         return Plan(request, s, settings, vanilla_because="no capsule %s in %s yet" % (request.capsule.ref, s.root))
     try:
-        return Plan(request, s, settings, prepared=controller.prepare_restore(request, store=s, settings=settings, progress=progress))
+        return Plan(request, s, settings, prepared=controller.prepare_restore(request, store=s, settings=settings, progress=progress, replacing=frozenset(replacing)))
     except CompatibilityError as err:
         if request.on_incompatible != "vanilla":
             raise

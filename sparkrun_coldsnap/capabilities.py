@@ -33,6 +33,13 @@ class DriverCaps(Strict):
     qualification: dict[str, Any] = Field(default_factory=dict, description="What has and has not been qualified on real hardware.")
 
 
+class LauncherCaps(Strict):
+    executor: str = Field(description="The recipe's executor this launch path serves (sparkrun's local or docker executor).")
+    summary: str
+    available_here: bool
+    reason: str = Field(description="What it runs on here, or why it cannot capture here and how to fix that.")
+
+
 class Formats(Strict):
     request: int
     capsule_config: int
@@ -59,9 +66,25 @@ class Capabilities(Strict):
     sparkrun_version: str | None
     engines: tuple[EngineCaps, ...]
     drivers: tuple[DriverCaps, ...]
+    launchers: tuple[LauncherCaps, ...] = Field(description="The launch paths: host processes and containers, each with whether this host can capture and restore it.")
     formats: Formats
     stores: tuple[str, ...]
     host: HostCaps
+
+
+def launchers() -> tuple[LauncherCaps, ...]:
+    from sparkrun_coldsnap.errors import ColdsnapError
+    from sparkrun_coldsnap.launch.units import LAUNCHERS
+
+    out = []
+    for executor, launcher in sorted(LAUNCHERS.items()):
+        try:
+            launcher.check_capturable()
+            ok, reason = True, launcher.runtime_summary() or "the host itself (no container runtime)"
+        except ColdsnapError as err:
+            ok, reason = False, str(err)
+        out.append(LauncherCaps(executor=executor, summary=launcher.summary, available_here=ok, reason=reason))
+    return tuple(out)
 
 
 def collect() -> Capabilities:
@@ -81,6 +104,7 @@ def collect() -> Capabilities:
         drivers.append(DriverCaps(**c))
     return Capabilities(
         tool_version=__version__,
+        launchers=launchers(),
         sparkrun_version=sparkrun_version,
         engines=tuple(engines),
         drivers=tuple(drivers),

@@ -57,20 +57,60 @@ def _sparkrun() -> list[Check]:
     return out
 
 
+_SOURCE = {
+    "distribution": "the distribution's criu",
+    "system": "a criu on PATH",
+    "private": "the private criu",
+    "wrapper": "the runc wrapper",
+    "COLDSNAP_CRIU": "COLDSNAP_CRIU",
+}
+
+
 def _criu() -> list[Check]:
     out = []
     found = criu_tool.candidates()
+    if not any(c.source == "distribution" for c in found):
+        out.append(Check("criu (distribution)", "ok", "no criu package installed (Debian 12's criu 3.17 fails on current kernels: the private CRIU replaces it)"))
     for c in found:
-        out.append(Check("criu (%s)" % c.source, "ok" if c.usable else "warn", "%s at %s" % ("criu %s" % c.version if c.version else "unknown version", c.argv[-1]) + ("" if c.usable else ": " + (c.problem or ""))))
+        what = "criu %s" % c.version if c.version else "unknown version"
+        if c.source == "wrapper":
+            out.append(_wrapper_check(c))
+            continue
+        if c.usable:
+            out.append(Check("criu (%s)" % c.source, "ok", "%s at %s" % (what, c.path)))
+        else:  # harmless where another CRIU works (the check below fails where none does)
+            out.append(Check("criu (%s)" % c.source, "ok" if any(o.usable for o in found) else "warn", "%s: %s; not used" % (c.path, c.problem)))
     try:
         criu = criu_tool.Criu.locate()
     except Exception as err:  # noqa: BLE001
         out.append(Check("criu", "fail", str(err), "sparkrun coldsnap setup --criu"))
         return out
-    why = "the system criu is >= 4.2" if criu.source == "system" else "no system criu >= 4.2 (Debian 12 ships 3.17, which fails on this kernel)"
+    if criu.source in ("distribution", "system"):
+        why = "%s is >= 4.2" % _SOURCE[criu.source]
+    elif criu.source == "COLDSNAP_CRIU":
+        why = "COLDSNAP_CRIU names it"
+    else:
+        older = [c for c in found if c.source in ("distribution", "system")]
+        why = "the distribution has no criu >= 4.2%s" % (": %s" % ", ".join("%s is %s" % (c.path, c.version or "unusable") for c in older) if older else "")
     ok, line = criu.check()
-    out.append(Check("criu", "ok" if ok else "fail", "using %s criu %s (%s); criu check: %s" % (criu.source, criu.version, why, line), "" if ok else "run as root on a kernel with checkpoint/restore support"))
+    out.append(
+        Check("criu", "ok" if ok else "fail", "using %s, criu %s at %s (%s); criu check: %s" % (_SOURCE.get(criu.source, criu.source), criu.version, criu.candidate.path, why, line),
+              "" if ok else "run as root on a kernel with checkpoint/restore support")
+    )  # fmt: skip
     return out
+
+
+def _wrapper_check(c: criu_tool.CriuCandidate) -> Check:
+    """The wrapper `setup --docker` put on PATH for runc: which private CRIU it runs, and whether it is this home's."""
+    target = c.argv[-1] if c.argv else "?"
+    mine = criu_tool.private_argv()
+    detail = "%s is the wrapper `setup --docker` wrote for runc (not a distribution criu): it runs the private criu %s at %s" % (c.path, c.version or "?", target)
+    if not c.usable:
+        return Check("criu (runc wrapper)", "warn", "%s, which cannot run: %s" % (detail, c.problem), "sparkrun coldsnap setup --criu && sparkrun coldsnap setup --docker")
+    if mine is None or tuple(mine) != tuple(c.argv):
+        return Check("criu (runc wrapper)", "warn", "%s, the private CRIU of another home directory than %s" % (detail, paths.criu_prefix()),
+                     "run `sparkrun coldsnap setup --docker` as the user whose CRIU runc should run")  # fmt: skip
+    return Check("criu (runc wrapper)", "ok", detail)
 
 
 def _host() -> list[Check]:
@@ -89,6 +129,47 @@ def _host() -> list[Check]:
         out.append(Check("gpu", "ok", "NVIDIA driver %s, CUDA %s, %s" % (g.nvidia_driver, g.cuda_version, ", ".join("%s (sm %s)" % (x.name, x.compute_capability) for x in g.gpus))))
     else:
         out.append(Check("gpu", "ok", "no NVIDIA GPU: CPU engines only (driver cpu)"))
+    return out
+
+
+def _docker() -> list[Check]:
+    """The container path (executor: docker): daemon, experimental mode, runc's CRIU and its options, the engine image."""
+    from sparkrun_coldsnap.launch import docker as docker_unit
+    from sparkrun_coldsnap.launch import lazy_runtime
+    from sparkrun_coldsnap.setup.docker_install import DAEMON_JSON, IMAGE
+
+    setup = "sparkrun coldsnap setup --docker"
+    if shutil.which("docker") is None:
+        return [Check("docker", "warn", "not installed: recipes with executor: docker cannot be captured or restored here", setup)]
+    if not docker_unit.daemon_running():
+        return [Check("docker", "warn", "the docker daemon is not running (docker info fails): container recipes cannot run", "%s (starts dockerd)" % setup)]
+    i = docker_unit.info()
+    out = [Check("docker", "ok", "daemon %s" % docker_unit.runtime_summary())]
+    if i.get("experimental") == "true":
+        out.append(Check("docker experimental", "ok", "experimental mode on (docker checkpoint needs it)"))
+    else:
+        out.append(Check("docker experimental", "warn", 'experimental mode off: docker checkpoint refuses to run (%s lacks "experimental": true)' % DAEMON_JSON, setup))
+    runtimes = i.get("runtimes", "").split(",")
+    if lazy_runtime.NAME in runtimes:
+        out.append(Check("docker runtime", "ok", "%s registered (restores container memory on demand)" % lazy_runtime.NAME))
+    else:
+        out.append(Check("docker runtime", "warn", "%s is not among the daemon's runtimes (%s): container restores copy all memory first" % (lazy_runtime.NAME, ", ".join(runtimes)), setup))
+    criu = criu_tool.for_runc()
+    if criu is None:
+        out.append(Check("runc criu", "warn", "runc finds no criu on PATH: docker checkpoint fails", setup))
+    elif criu.usable:
+        out.append(Check("runc criu", "ok", "runc runs %s: criu %s (%s)" % (criu.path, criu.version, _SOURCE.get(criu.source, criu.source))))
+    else:
+        out.append(Check("runc criu", "warn", "runc runs %s, which cannot checkpoint an engine: %s" % (criu.path, criu.problem), setup))
+    missing = docker_unit.missing_runc_options()
+    if missing:
+        out.append(Check("runc criu options", "warn", "%s lacks %s: checkpoints of an engine fail" % (docker_unit.RUNC_CRIU_CONF, ", ".join(missing)), setup))
+    else:
+        out.append(Check("runc criu options", "ok", "%s sets %s" % (docker_unit.RUNC_CRIU_CONF, ", ".join(docker_unit.RUNC_CRIU_OPTIONS))))
+    try:
+        out.append(Check("engine image", "ok", "%s is here (%s)" % (IMAGE, docker_unit.image_id(IMAGE)[:19])))
+    except Exception:  # noqa: BLE001 - any answer but an id means the image is not usable here
+        out.append(Check("engine image", "warn", "%s (the CPU engine's image the container recipes name) is not here" % IMAGE, "%s (builds it; no image can be pulled offline)" % setup))
     return out
 
 
@@ -132,7 +213,7 @@ def _store() -> list[Check]:
 
 def run_checks() -> list[Check]:
     checks = [Check("sparkrun-coldsnap", "ok", "%s on python %s" % (__version__, sys.version.split()[0]))]
-    for part in (_sparkrun, _host, _criu, _drivers, _engines, _store):
+    for part in (_sparkrun, _host, _criu, _drivers, _engines, _docker, _store):
         try:
             checks.extend(part())
         except Exception as err:  # noqa: BLE001 - one broken probe must not hide the others

@@ -65,6 +65,10 @@ class Sparkrun:
             raise AssertionError("sparkrun %s failed (%d):\n%s\n%s" % (" ".join(args), cp.returncode, cp.stdout[-3000:], cp.stderr[-3000:]))
         return cp
 
+    def popen(self, *args: str) -> subprocess.Popen:
+        """sparkrun started with its output (stderr folded in) readable as it comes."""
+        return subprocess.Popen([str(BIN / "sparkrun"), *args], env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT))
+
     def coldsnap(self, *args: str, **kw) -> subprocess.CompletedProcess:
         return self("coldsnap", *args, **kw)
 
@@ -101,6 +105,9 @@ def template_home(tmp_path_factory) -> Path:
     sr("setup", "features", "enable" if docker_up else "disable", "executor.docker")
     for name in REGISTRIES:
         sr("registry", "disable", name, check=False)
+    from sparkrun_coldsnap.integration.registries import settle_pending_bootstrap
+
+    settle_pending_bootstrap(home / ".config" / "sparkrun")  # as `setup` does on a host without internet
     return home
 
 

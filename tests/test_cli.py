@@ -28,6 +28,8 @@ def test_capabilities_json_is_valid_and_names_engines_drivers_formats(sparkrun):
     drivers = {d["name"]: d for d in doc["drivers"]}
     assert {"cpu", "n610", "n580"} <= set(drivers)
     assert drivers["cpu"]["available_here"] is True
+    launchers = {l["executor"]: l for l in doc["launchers"]}
+    assert set(launchers) == {"local", "docker"} and launchers["local"]["available_here"] is True
     assert doc["formats"]["artifact_type"] == "application/vnd.sparkrun.coldsnap.capsule.v1"
     assert doc["formats"]["request"] == doc["formats"]["receipt"] == doc["formats"]["capsule_config"] == 1
 

@@ -75,6 +75,35 @@ def test_an_unexpected_error_is_one_line_naming_its_traceback_log(tmp_path, monk
     assert log.startswith(str(tmp_path / "home")) and "ValueError: boom in the middle" in open(log).read()
 
 
+@pytest.mark.parametrize("args", [("--debug", "capabilities"), ("capabilities", "--debug")])
+def test_debug_before_or_after_the_verb_shows_the_traceback(tmp_path, monkeypatch, args):
+    from sparkrun_coldsnap import capabilities
+
+    def broken():
+        raise ValueError("boom in the middle")
+
+    monkeypatch.setattr(capabilities, "collect", broken)
+    with pytest.raises(ValueError, match="boom in the middle"):
+        invoke(*args, env={"COLDSNAP_HOME": str(tmp_path / "home")})
+
+
+def test_a_capture_over_an_existing_tag_says_it_replaces_it(tmp_path, capsys):
+    from helpers import make_capsule
+
+    from sparkrun_coldsnap.capsule.store import CapsuleStore
+    from sparkrun_coldsnap.cli.capture import say_if_replacing
+
+    store = CapsuleStore(tmp_path / "store")
+    say_if_replacing(store, "synthetic:latest")
+    assert capsys.readouterr().err == ""
+    cap = make_capsule(store, tmp_path, pages_mb=1)
+    say_if_replacing(store, "synthetic:latest")
+    err = capsys.readouterr().err
+    assert "synthetic:latest is capsule %s: this capture replaces it" % cap.digest[:19] in err
+    say_if_replacing(store, "synthetic:other")
+    assert capsys.readouterr().err == ""
+
+
 # -- request documents (managers other than sparkrun) ----------------------------------------------
 
 

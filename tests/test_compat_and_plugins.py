@@ -63,6 +63,16 @@ def test_more_cpu_features_and_another_gpu_of_the_same_model_are_fine():
     assert [m.field for m in compare(fp(gpus=(h200,)), fp(gpus=(GpuInfo(name="NVIDIA H100", compute_capability="9.0"),)))] == ["gpus"]
 
 
+def test_a_container_capsule_that_did_not_record_the_engine_inside_its_image_is_bound_by_the_image():
+    image = "sha256:" + "2" * 64
+    older = fp(image_digest=image, engine_version=None, python_version=None, torch_version=None, engine_env_digest=None)
+    assert compare(older, fp(image_digest=image)) == []
+    fields = [m.field for m in compare(older, fp(image_digest="sha256:" + "3" * 64))]
+    assert fields == ["engine_version", "python_version", "torch_version", "image_digest", "engine_env_digest"]
+    # Recorded, they are compared like any field.
+    assert [m.field for m in compare(fp(image_digest=image), fp(image_digest=image, engine_version="0.33.0"))] == ["engine_version"]
+
+
 def test_cpu_features_read_from_cpuinfo():
     assert cpu_features("processor: 0\nflags\t\t: fpu sse sse2 avx2 weird_flag\n") == ("avx2", "sse", "sse2")
 

@@ -137,10 +137,17 @@ def test_capture_in_a_container_restore_into_a_new_one(captured, sparkrun):
     assert "/cache/runtime" in unit["driver_data"]["container"]["volumes"].values()
     assert doc["config"]["fingerprint"]["container_runtime"].startswith("docker ")
     assert doc["config"]["workload"]["launch"]["image"].startswith("coldsnap/vllm-cpu:0.32.0@sha256:")
+    # What is inside the image is recorded, read there: not null, not "None", and the image by name too.
+    fp = doc["config"]["fingerprint"]
+    assert fp["engine_version"] == doc["config"]["engine"]["version"] == "0.32.0"
+    assert fp["python_version"].startswith("3.11.") and fp["torch_version"].startswith("2.13.0")  # the image's Debian Python
+    assert unit["driver_data"]["container"]["image_name"] == "coldsnap/vllm-cpu:0.32.0"
+    assert doc["manifest"]["annotations"]["dev.sparkrun.coldsnap.engine"] == "vllm 0.32.0"
 
     unpacked_before = unpacked_checkpoints()
     out = sparkrun("run", str(recipe), "-H", "localhost", "--no-follow")
     assert "restored tiny-docker:latest" in out.stderr + out.stdout
+    assert "that time counts from the start of the restore" in out.stderr + out.stdout  # two first-token times, told apart
     assert ask() == reply
     running = containers()
     assert len(running) == 1 and running[0]["Names"].startswith("sparkrun_") and running[0]["Names"].endswith("_solo")

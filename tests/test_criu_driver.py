@@ -183,3 +183,54 @@ def test_template_boundary_dump_resume_and_restore(tmp_path):
         assert wait_http("http://127.0.0.1:%d/state" % port).strip() == "1"  # a fresh start past the boundary
     finally:
         kill_tree(restored.root_pid)
+
+
+def host_pid_namespace_pid(pid: int) -> list[int]:
+    for line in Path("/proc/%d/status" % pid).read_text().splitlines():
+        if line.startswith("NSpid:"):
+            return [int(x) for x in line.split()[1:]]
+    raise AssertionError("no NSpid for %d" % pid)
+
+
+def test_one_capture_restores_twice_at_once_each_on_its_own_port(tmp_path):
+    port = free_port()
+    driver = CpuDriver()
+    with io_uring_disabled():
+        unit = start(tmp_path, port)
+        try:
+            assert wait_http("http://127.0.0.1:%d/state" % port).strip() == "1"
+            image = driver.checkpoint(unit.root_pid, tmp_path / "images", unit="solo", host="localhost", progress=lambda m: None)
+        except BaseException:
+            kill_tree(unit.root_pid)
+            raise
+    unit.reap()
+    # Segment and semaphore names are random; CRIU's link_remap.N names are not (other dumps reuse them).
+    shm_names = {f.path for f in image.shared_files if not Path(f.path).name.startswith("link_remap.")}
+    assert image.listening_ports == (port,)
+    ports = (free_port(), free_port())
+    roots = []
+    try:
+        for p in ports:
+            roots.append(driver.restore(image, tmp_path / "images", log_path=tmp_path / ("r-%d.log" % p), progress=lambda m: None, port=p).root_pid)
+        for p, root in zip(ports, roots):
+            # Each came back with the captured root PID, inside a PID namespace of its own,
+            # its shared memory in a /dev/shm of its own, and serves on the port it was given.
+            assert host_pid_namespace_pid(root)[-1] == image.root_pid and root != image.root_pid
+            assert wait_http("http://127.0.0.1:%d/state" % p).strip() == "2"
+        assert [path for path in shm_names if Path(path).exists()] == []  # nothing written to the host's /dev/shm
+        assert wait_http("http://127.0.0.1:%d/state" % ports[0]).strip() == "3"  # they count apart
+        assert wait_http("http://127.0.0.1:%d/state" % ports[1]).strip() == "3"
+        with pytest.raises(requests.RequestException):
+            requests.get("http://127.0.0.1:%d/state" % port, timeout=2)  # the captured port stays inside
+    finally:
+        for root in roots:
+            kill_tree(root)
+    keepers_gone = time.monotonic() + 10
+    while any(socket_open(p) for p in ports):
+        assert time.monotonic() < keepers_gone, "a port forwarder outlived its tree"
+        time.sleep(0.05)
+
+
+def socket_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0

@@ -34,9 +34,9 @@ def recipe_with_store(tmp_path: Path, store: Path, extra: str = "", name: str = 
     return write_recipe(tmp_path, coldsnap=block, name=name)
 
 
-def ask() -> str:
+def ask(port: int = PORT) -> str:
     body = {"model": "coldsnap/tiny-qwen2", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16, "temperature": 0, "seed": 0}
-    r = requests.post("http://127.0.0.1:%d/v1/chat/completions" % PORT, json=body, timeout=60)
+    r = requests.post("http://127.0.0.1:%d/v1/chat/completions" % port, json=body, timeout=60)
     r.raise_for_status()
     return r.json()["choices"][0]["message"]["content"]
 
@@ -116,6 +116,50 @@ def test_sparkrun_run_restores_status_shows_stop_stops(captured, sparkrun, tmp_p
     assert ask() == receipt["validation"]["reply"]
     sparkrun("stop", str(recipe), "-H", "localhost")
     wait_gone()
+
+
+def test_a_second_run_replaces_the_first_which_serves_until_the_new_one_is_staged(captured, sparkrun):
+    store, recipe, receipt = captured
+    sparkrun("run", str(recipe), "-H", "localhost", "--no-follow")
+    try:
+        old = {p.pid for p in engine_processes()}
+        assert old and ask() == receipt["validation"]["reply"]
+        # The same recipe again: its capsule holds the PIDs and /dev/shm names the running
+        # workload holds too; restored into namespaces of its own it needs none of them free.
+        run = sparkrun.popen("run", str(recipe), "-H", "localhost", "--no-follow")
+        assert run.stdout is not None
+        lines, alive_when_staged = [], None
+        for line in run.stdout:
+            lines.append(line)
+            if "admitted and staged" in line and alive_when_staged is None:
+                alive_when_staged = {p for p in old if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE}
+        assert run.wait(timeout=600) == 0, "".join(lines)[-3000:] + subprocess.run(["ps", "-eo", "pid,ppid,pgid,stat,etime,cmd"], capture_output=True, text=True).stdout
+        assert alive_when_staged == old, "the old workload stopped before the new one was staged:\n" + "".join(lines)[-3000:]
+        assert "restored tiny:latest" in "".join(lines)
+        new = {p.pid for p in engine_processes()}
+        assert new and not (new & old)
+        assert ask() == receipt["validation"]["reply"]
+        assert sparkrun("status", "-H", "localhost").stdout.count("Up (pid") == 1
+    finally:
+        sparkrun("stop", str(recipe), "-H", "localhost")
+        wait_gone()
+
+
+def test_one_capsule_restores_twice_at_once_on_two_ports(captured, sparkrun, tmp_path):
+    store, recipe, receipt = captured
+    # The same recipe under another file name (another sparkrun workload) serving on 8001.
+    other = write_recipe(tmp_path, coldsnap=recipe.read_text()[recipe.read_text().index("coldsnap:") :], replace={"port: 8000": "port: 8001"}, name="tiny-second.yaml")
+    sparkrun("run", str(recipe), "-H", "localhost", "--no-follow")
+    try:
+        out = sparkrun("run", str(other), "-H", "localhost", "--no-follow")
+        assert "restored tiny:latest" in out.stderr + out.stdout, out.stderr[-2000:]
+        assert ask() == receipt["validation"]["reply"]
+        assert ask(8001) == receipt["validation"]["reply"]
+        assert sparkrun("status", "-H", "localhost").stdout.count("Up (pid") == 2
+    finally:
+        sparkrun("stop", str(other), "-H", "localhost", check=False)
+        sparkrun("stop", str(recipe), "-H", "localhost")
+        wait_gone()
 
 
 def copy_store(store: Path, tmp_path: Path) -> Path:
@@ -223,7 +267,7 @@ def test_missing_capsule_fails_when_asked_and_starts_vanilla_otherwise(sparkrun,
 def test_dry_run_changes_nothing(captured, sparkrun):
     store, recipe, _ = captured
     out = sparkrun("run", str(recipe), "-H", "localhost", "--dry-run")
-    assert "dry run: would restore capsule tiny:latest" in out.stderr + out.stdout
+    assert "dry run: the run would restore capsule tiny:latest" in out.stderr + out.stdout
     assert not engine_processes()
     assert not list(Path("/dev/shm/coldsnap-staging").glob("restore-*"))
 
@@ -242,6 +286,30 @@ def test_sparkrun_run_pulls_a_published_capsule_before_restoring(captured, spark
         assert ask() == receipt["validation"]["reply"]
         assert CapsuleStore(empty).resolve("tiny:latest").descriptor.digest == receipt["capsule"]
         sparkrun("stop", str(recipe), "-H", "localhost")
+        wait_gone()
+    finally:
+        registry.stop()
+
+
+def test_on_a_host_without_the_model_sparkrun_run_fetches_capsule_and_weights_while_preparing(captured, sparkrun, tmp_path):
+    store, _, receipt = captured
+    registry = Registry(tmp_path / "registry").start()
+    try:
+        target = "%s/capsules/tiny" % registry.host
+        sparkrun.coldsnap("publish", "tiny", target + ":latest", "--store", str(store), "--plain-http", "--with-weights")
+        # This host has neither the capsule nor the model: an empty Hugging Face cache.
+        bare = Sparkrun(sparkrun.home, {**sparkrun.env, "HF_HOME": str(tmp_path / "hf")})
+        empty = tmp_path / "fresh-store"
+        recipe = recipe_with_store(tmp_path, empty, extra="  on_missing: fail\n", capsule_extra="    repository: %s\n    plain_http: true\n" % target)
+        out = bare("run", str(recipe), "-H", "localhost", "--no-follow")
+        text = out.stderr + out.stdout
+        # Fetched in sparkrun's preparation, before its own model check would have stopped the run.
+        assert "fetched" in text and "model file(s) from the capsule's weights artifact" in text, text[-3000:]
+        assert text.index("pulled tiny:latest") < text.index("restored tiny:latest")
+        snapshot = tmp_path / "hf" / "hub" / "models--coldsnap--tiny-qwen2" / "snapshots" / "973ff5dd93da77ddc2a1bffa8e29d4d207f245dd"
+        assert (snapshot / "config.json").is_file()
+        assert ask() == receipt["validation"]["reply"]
+        bare("stop", str(recipe), "-H", "localhost")
         wait_gone()
     finally:
         registry.stop()

@@ -19,7 +19,7 @@ SCHEMAS = ROOT / "docs" / "schemas"
 @pytest.mark.parametrize("name", sorted(schemas.generate()))
 def test_committed_schema_matches_the_model(name):
     committed = (SCHEMAS / name).read_text()
-    assert committed == schemas.render(schemas.generate()[name]), "regenerate with: python -m sparkrun_coldsnap.schemas docs/schemas"
+    assert committed == schemas.render(schemas.generate()[name]), "regenerate with: python -m sparkrun_coldsnap.documents.schemas docs/schemas"
 
 
 def test_receipts_validate_against_their_schema():

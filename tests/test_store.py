@@ -146,3 +146,16 @@ def test_full_disk_gives_one_line_error_and_leaves_nothing(tmp_path):
         assert leftovers == []
     finally:
         subprocess.run(["umount", str(root)], check=True)
+
+
+def test_the_memory_staging_folder_goes_with_its_last_directory(tmp_path):
+    from sparkrun_coldsnap.host import paths
+
+    memory = tmp_path / paths.MEMORY_STAGING
+    first, second = paths.new_memory_staging(memory, "restore-"), paths.new_memory_staging(memory, "restore-")
+    (first / "pages-1.img").write_bytes(b"x")
+    paths.remove_staging(first)
+    assert memory.is_dir() and second.is_dir()  # another restore's directory is still in it
+    paths.remove_staging(second)
+    assert not memory.exists()
+    assert paths.new_memory_staging(memory, "restore-").parent == memory  # made again when needed

@@ -56,7 +56,7 @@ def build_manifest(config_desc: Descriptor, layers: list[Descriptor], config: Ca
             media.A_VERSION: config.tag,
             media.A_DESCRIPTION: "%s serving %s@%s, captured with the %s driver" % (w.engine, w.model.id, w.model.revision[:12], config.driver),
             media.A_LICENSES: "AGPL-3.0-only",
-            media.A_ENGINE: "%s %s" % (config.engine.name, config.engine.version or ""),
+            media.A_ENGINE: " ".join(filter(None, (config.engine.name, config.engine.version))),
             media.A_DRIVER: config.driver,
             media.A_MODEL: "%s@%s" % (w.model.id, w.model.revision),
             media.A_REQUEST: config.request_sha256,

@@ -153,6 +153,11 @@ def collect_locked(store: CapsuleStore, *, apply: bool, transfers: bool) -> Garb
     if apply:
         for path, _ in garbage.items:
             _remove(path)
+        for root in _staging_roots(store)[1:]:
+            try:
+                root.rmdir()  # the memory staging folder, once empty, goes too (it is on the host's /dev/shm)
+            except OSError:
+                pass
     return garbage
 
 

@@ -24,13 +24,14 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context):
         # The entry: the settings are read here, once, and carried from here on.
         settings = settings_mod.install(settings_mod.Settings.from_environ())
-        if (ctx.params or {}).get("debug") and not settings.debug:
-            settings = settings_mod.install(settings.replace(debug=True))
+        if (ctx.params or {}).get("debug"):
+            _debug_on()
         try:
             return super().invoke(ctx)
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
             raise
         except ColdsnapError as err:
+            settings = settings_mod.current()  # --debug after the verb turned it on since
             if settings.debug:
                 raise
             click.echo("Error: %s" % err.message, err=True)
@@ -39,6 +40,7 @@ class _Group(click.Group):
             click.echo("Interrupted.", err=True)
             ctx.exit(130)
         except Exception as err:  # noqa: BLE001 - sparkrun's own errors and our bugs, one line too
+            settings = settings_mod.current()
             if settings.debug:
                 raise
             ours = coldsnap_cause(err)
@@ -64,8 +66,23 @@ def write_traceback(err: BaseException) -> Path | None:
         return None
 
 
+DEBUG_HELP = "Show tracebacks and debug logs (before or after the verb; or COLDSNAP_DEBUG=1)."
+
+
+def _debug_on() -> None:
+    settings = settings_mod.current()
+    if not settings.debug:
+        settings_mod.install(settings.replace(debug=True))
+    logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)
+
+
+def _debug_flag(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value:
+        _debug_on()
+
+
 @click.group("coldsnap", cls=_Group)
-@click.option("--debug", is_flag=True, help="Show tracebacks and debug logs.")
+@click.option("--debug", is_flag=True, help=DEBUG_HELP)
 def coldsnap_group(debug: bool) -> None:
     """Capture an initialized inference workload once; restore it in seconds."""
     if settings_mod.current().debug:
@@ -77,6 +94,8 @@ def _register_verbs() -> None:
 
     for module in (capture, restore, store_verbs, registry_verbs, capabilities, doctor, bench, setup):
         for cmd in module.COMMANDS:
+            # --debug is accepted after the verb too, where users type it.
+            cmd.params.append(click.Option(["--debug"], is_flag=True, expose_value=False, is_eager=True, callback=_debug_flag, help=DEBUG_HELP))
             coldsnap_group.add_command(cmd)
 
 

@@ -50,6 +50,7 @@ def capture(recipe, hosts, cluster, options, offline, store, request_file, tag, 
         print_document(req)
         return
     progress = Progress(quiet=as_json)
+    say_if_replacing(capsule_store, req.capsule.ref)
     try:
         out = api.capture(req, store=capsule_store, progress=progress)
     except ColdsnapError as err:
@@ -65,11 +66,24 @@ def capture(recipe, hosts, cluster, options, offline, store, request_file, tag, 
     assert cap is not None
     r = out.receipt
     click.echo("captured %s -> %s in %s" % (req.capsule.ref, short(cap.digest), capsule_store.root))
-    click.echo("  engine %s, driver %s, weights %s; images %.0f MB, capsule %.0f MB" % (
+    click.echo("  engine %s, driver %s, weights %s; images %.1f MB, capsule %.1f MB" % (
         cap.config.engine.name, cap.config.driver, cap.config.weights.location, r.details.get("image_bytes", 0) / 1e6, cap.size / 1e6))  # fmt: skip
     click.echo("  vanilla start to first token %.1f s; capture %.1f s in all" % (r.details.get("vanilla_ttft_seconds") or 0, r.total_seconds))
     click.echo("  receipt %s" % path)
     click.echo("restore it with: %s" % ("sparkrun run %s" % recipe if recipe else "sparkrun-coldsnap restore --request RESTORE-REQUEST"))
+
+
+def say_if_replacing(capsule_store, ref: str) -> None:
+    """A capture into a tag that exists moves the tag: say so before the minutes it takes."""
+    try:
+        old = capsule_store.resolve(ref)
+    except ColdsnapError:  # not there (or no store yet): nothing is replaced
+        return
+    click.echo(
+        "[coldsnap] %s is capsule %s: this capture replaces it once the new one is published (it stays listed until then; "
+        "--tag NAME captures beside it)" % (ref, short(old.descriptor.digest)),
+        err=True,
+    )
 
 
 COMMANDS = [capture]

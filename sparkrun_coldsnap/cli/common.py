@@ -25,7 +25,14 @@ def target_options(f):
 
 
 def store_option(f):
-    return click.option("--store", type=click.Path(path_type=Path), default=None, help="Local capsule store (default: the recipe's, else $COLDSNAP_HOME/store).")(f)
+    """--store on a verb that takes a recipe."""
+    help_text = "Local capsule store (default: the recipe's coldsnap.capsule.store, else $COLDSNAP_STORE, else $COLDSNAP_HOME/store)."
+    return click.option("--store", type=click.Path(path_type=Path), default=None, help=help_text)(f)
+
+
+def plain_store_option(f):
+    """--store on a verb without a recipe."""
+    return click.option("--store", type=click.Path(path_type=Path), default=None, help="Local capsule store (default: $COLDSNAP_STORE, else $COLDSNAP_HOME/store).")(f)
 
 
 def parse_overrides(options: tuple[str, ...]) -> dict[str, Any]:

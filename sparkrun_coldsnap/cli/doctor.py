@@ -10,7 +10,7 @@ MARK = {"ok": "ok  ", "warn": "warn", "fail": "FAIL"}
 
 
 @click.command("doctor")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
 def doctor(as_json):
     """Check sparkrun, the plugin's state, CRIU, GPU driver features and engines; say how to fix each gap."""
     from sparkrun_coldsnap.doctor import as_json as to_json

@@ -6,12 +6,15 @@ from pathlib import Path
 
 import click
 
-from sparkrun_coldsnap.cli.common import emit_json, open_store, store_option
+from sparkrun_coldsnap.cli.common import emit_json, open_store, plain_store_option
 from sparkrun_coldsnap.digests import short
 
 
+def chunk_option(f):
+    return click.option("--chunk-size", type=click.IntRange(1 << 16, 1 << 30), default=16 << 20, show_default=True, help="Upload chunk size in bytes (an interrupted upload resumes from its last whole chunk).")(f)
+
+
 def transport_options(f):
-    f = click.option("--chunk-size", type=click.IntRange(1 << 16, 1 << 30), default=16 << 20, show_default=True, help="Upload chunk size in bytes (an interrupted upload resumes from its last whole chunk).")(f)
     f = click.option("--ca-file", type=click.Path(exists=True, dir_okay=False), default=None, help="CA certificate bundle for the registry's TLS certificate.")(f)
     f = click.option("--plain-http", is_flag=True, help="Use plain HTTP (a registry on loopback, say).")(f)
     return f
@@ -33,11 +36,12 @@ def model_dir_of(cap) -> Path:
 @click.command("publish")
 @click.argument("capsule")
 @click.argument("repository")
-@store_option
+@plain_store_option
 @transport_options
+@chunk_option
 @click.option("--with-weights", is_flag=True, help="Also push the model files as a weights artifact, linked as the capsule's subject.")
 @click.option("--with-native", is_flag=True, help="Also push the capsule's native weight payload from this host, as an artifact referring to the capsule.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print what was pushed as JSON.")
 def publish(capsule, repository, store, plain_http, ca_file, chunk_size, with_weights, with_native, as_json):
     """Push CAPSULE (name[:tag] or digest) from the local store to REPOSITORY[:TAG] of an OCI registry.
 
@@ -68,13 +72,13 @@ def publish(capsule, repository, store, plain_http, ca_file, chunk_size, with_we
 
 @click.command("pull")
 @click.argument("reference")
-@store_option
+@plain_store_option
 @transport_options
 @click.option("--as", "local_ref", default=None, help="Local name[:tag] (default: the capsule's own name and the reference's tag).")
 @click.option("--with-weights", is_flag=True, help="Also fetch the model files from the capsule's weights artifact.")
 @click.option("--with-native", is_flag=True, help="Also fetch the capsule's native weight payload, for the native weight path.")
-@click.option("--json", "as_json", is_flag=True)
-def pull(reference, store, plain_http, ca_file, chunk_size, local_ref, with_weights, with_native, as_json):
+@click.option("--json", "as_json", is_flag=True, help="Print what was pulled as JSON.")
+def pull(reference, store, plain_http, ca_file, local_ref, with_weights, with_native, as_json):
     """Pull a capsule from an OCI registry into the local store (REGISTRY/REPO[:TAG|@DIGEST])."""
     from sparkrun_coldsnap.capsule.reference import parse
     from sparkrun_coldsnap.capsule.transfer import pull_with_companions
@@ -108,8 +112,8 @@ def pull(reference, store, plain_http, ca_file, chunk_size, local_ref, with_weig
 @click.command("remote")
 @click.argument("repository")
 @transport_options
-@click.option("--json", "as_json", is_flag=True)
-def remote(repository, plain_http, ca_file, chunk_size, as_json):
+@click.option("--json", "as_json", is_flag=True, help="Print the repository's capsules as JSON.")
+def remote(repository, plain_http, ca_file, as_json):
     """List the capsules in a registry repository: by tag, and as referrers of its weights artifacts."""
     from sparkrun_coldsnap.capsule.reference import parse
     from sparkrun_coldsnap.capsule.transfer import remote_capsules

@@ -22,7 +22,7 @@ from sparkrun_coldsnap.errors import ColdsnapError, RequestError
 @store_option
 @request_option
 @click.option("--receipt", "receipt_file", type=click.Path(path_type=Path), default=None, help="Write the receipt here (default: beside the capsule).")
-@click.option("--dry-run", is_flag=True, help="Print the restore request document this would run (JSON) and what admission says of it; change nothing.")
+@click.option("--dry-run", is_flag=True, help="Print the restore request document this would run (JSON) on stdout and the plan on stderr; change nothing. Exits as the restore would (4: no capsule, 3: refused).")
 @click.option("--unit", "unit_name", default=None, help="With --request: the launch unit of the request this process restores (it must be one of the request's).")
 @click.option(
     "--wait-for-go", is_flag=True,
@@ -49,12 +49,16 @@ def restore(recipe, hosts, cluster, options, offline, store, request_file, recei
         raise RequestError("--unit and --wait-for-go go with --request FILE: sparkrun drives a recipe's units itself")
     doc = check_recipe_file(recipe)
     if dry_run:
-        from sparkrun_coldsnap.integration import placement, planning, strategy
+        from sparkrun_coldsnap.integration import placement, planning, recipe_item, strategy
 
         actx = planning.plan_activation(recipe, hosts=host_tuple(hosts), cluster=cluster, overrides=parse_overrides(options), offline=offline)
         req = placement.restore_request(actx).model_copy(update={"on_missing": "fail", "on_incompatible": "fail"})
         print_document(req)
-        click.echo(strategy.describe_plan(req, open_store(store, doc)), err=True)
+        block = recipe_item.block_of(actx.execution.plan.recipe)
+        view = strategy.describe_plan(req, open_store(store, doc), block.capsule.repository)
+        click.echo(view.text, err=True)
+        if view.error is not None:
+            raise view.error  # the exit status the restore would have
         return
     from sparkrun_coldsnap.integration import planning
 

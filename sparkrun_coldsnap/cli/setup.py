@@ -34,9 +34,15 @@ def configure_sparkrun(*, cluster: str = "coldsnap-local") -> None:
     if not _reachable("github.com", 443):
         # Every sparkrun command would otherwise try (and fail) to clone them.
         names = _registries(sr)
-        _step("recipe registries unreachable from here: disabling %s (re-enable: sparkrun registry enable NAME)" % ", ".join(names))
+        if names:
+            _step("recipe registries unreachable from here: disabling %s (re-enable: sparkrun registry enable NAME)" % ", ".join(names))
         for name in names:
             run([*sr, "registry", "disable", name], timeout=120, check=False)
+        from sparkrun_coldsnap.integration.registries import settle_pending_bootstrap
+
+        # Disabled or not, sparkrun retries the clones it could not make on every command.
+        if settle_pending_bootstrap():
+            _step("sparkrun's first clone of its recipe registries failed: marked done, so commands stop retrying it (retry: sparkrun registry update)")
     listing = run([*sr, "cluster", "list"], timeout=120, check=False).stdout
     if cluster not in listing:
         make_default = "No saved clusters" in listing

@@ -6,7 +6,7 @@ import click
 
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
 from sparkrun_coldsnap.capsule import gc
-from sparkrun_coldsnap.cli.common import emit_json, open_store, store_option
+from sparkrun_coldsnap.cli.common import emit_json, open_store, plain_store_option
 from sparkrun_coldsnap.digests import short
 from sparkrun_coldsnap.errors import ColdsnapError
 from sparkrun_coldsnap.host import leftovers
@@ -29,8 +29,8 @@ def _summary(cap: capsule_mod.Capsule) -> dict:
 
 
 @click.command("list")
-@store_option
-@click.option("--json", "as_json", is_flag=True)
+@plain_store_option
+@click.option("--json", "as_json", is_flag=True, help="Print the capsules as JSON.")
 def list_capsules(store, as_json):
     """List the capsules in the local store."""
     s = open_store(store)
@@ -46,17 +46,17 @@ def list_capsules(store, as_json):
     if not rows:
         click.echo("no capsules in %s" % s.root)
         return
-    click.echo("%-28s %-20s %-12s %-6s %9s  %s" % ("CAPSULE", "DIGEST", "ENGINE", "DRIVER", "SIZE", "CREATED"))
+    click.echo("%-28s %-20s %-12s %-6s %10s  %s" % ("CAPSULE", "DIGEST", "ENGINE", "DRIVER", "SIZE", "CREATED"))
     for r in rows:
         if "error" in r:
             click.echo("%-28s %-20s damaged: %s" % (r["ref"], short(r["digest"]), r["error"]))
             continue
-        click.echo("%-28s %-20s %-12s %-6s %7.0fMB  %s" % (r["ref"], short(r["digest"]), r["engine"].strip(), r["driver"], r["size"] / 1e6, r["created"]))
+        click.echo("%-28s %-20s %-12s %-6s %7.1f MB  %s" % (r["ref"], short(r["digest"]), r["engine"].strip(), r["driver"], r["size"] / 1e6, r["created"]))
 
 
 @click.command("inspect")
 @click.argument("capsule")
-@store_option
+@plain_store_option
 @click.option("--json", "as_json", is_flag=True, help="Print manifest and config as JSON.")
 def inspect(capsule, store, as_json):
     """Show a capsule's manifest, config and layers (CAPSULE is name[:tag] or a digest)."""
@@ -77,20 +77,23 @@ def inspect(capsule, store, as_json):
         size = sum(f.size for f in c.weights.native.files) / 1e6
         click.echo("native weights: %s, %.1f MB: %s" % (short(c.weights.native.digest), size, where))
     fp = c.fingerprint
-    click.echo("fingerprint: %s, kernel %s, criu %s, %s python %s torch %s, gpus %s" % (
-        fp.cpu_arch, fp.kernel_release, fp.criu_version, fp.engine, fp.python_version, fp.torch_version, len(fp.gpus)))  # fmt: skip
+    click.echo("fingerprint: %s, kernel %s, criu %s, %s %s, python %s, torch %s, gpus %s" % (
+        fp.cpu_arch, fp.kernel_release, fp.criu_version, fp.engine, fp.engine_version or "(version not recorded)",
+        fp.python_version or "not recorded", fp.torch_version or "not recorded", len(fp.gpus)))  # fmt: skip
+    if c.workload.launch.image:
+        click.echo("image:    %s (%s)" % (c.workload.launch.image.split("@", 1)[0], c.workload.launch.image.split("@", 1)[-1]))
     click.echo("layers:")
     for d in cap.layers:
         a = d.annotations or {}
         click.echo("  %s %-40s %9.1f MB  %s" % (short(d.digest), a.get("org.opencontainers.image.title", ""), d.size / 1e6, d.media_type.rsplit(".", 1)[-1]))
     for u in c.units:
-        click.echo("unit %s on %s: %d processes, %.0f MB of images, %d shared files" % (u.name, u.host, len(u.pids), u.image_bytes / 1e6, len(u.shared_files)))
+        click.echo("unit %s on %s: %d processes, %.1f MB of images, %d shared files" % (u.name, u.host, len(u.pids), u.image_bytes / 1e6, len(u.shared_files)))
 
 
 @click.command("verify")
 @click.argument("capsule")
-@store_option
-@click.option("--json", "as_json", is_flag=True)
+@plain_store_option
+@click.option("--json", "as_json", is_flag=True, help="Print what was verified as JSON.")
 def verify(capsule, store, as_json):
     """Re-hash every blob of a capsule; fails on the first that does not match its digest."""
     s = open_store(store)
@@ -120,7 +123,7 @@ def _native_digests(s) -> set[str]:
 
 @click.command("delete")
 @click.argument("capsule")
-@store_option
+@plain_store_option
 @click.option("--keep-native", is_flag=True, help="Keep the capsule's native weight payload on this host.")
 def delete(capsule, store, keep_native):
     """Remove a capsule from the local store and free blobs no other capsule uses, and its native weight payload."""
@@ -139,9 +142,9 @@ def delete(capsule, store, keep_native):
 
 
 @click.command("gc")
-@store_option
+@plain_store_option
 @click.option("--yes", "--apply", "apply", is_flag=True, help="Free what is shown (without it, only show).")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print what was found (and freed) as JSON.")
 def collect_garbage(store, apply, as_json):
     """Show what the store holds that nothing needs (blobs no capsule references, staging left by
     interrupted operations, partial transfers); --yes frees it."""
@@ -154,6 +157,8 @@ def collect_garbage(store, apply, as_json):
             click.echo("stopped %s" % what, err=as_json)
         if recovered.io_uring is not None:
             click.echo("put kernel.io_uring_disabled back to %s" % recovered.io_uring, err=as_json)
+        if recovered.temp_files:
+            click.echo("removed %d file(s) stopped engines left in /tmp (vLLM's sockets and init files)" % len(recovered.temp_files), err=as_json)
     if as_json:
         emit_json({"store": str(s.root), "applied": apply, **found.to_json()})
         return

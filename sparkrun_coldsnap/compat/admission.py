@@ -7,6 +7,7 @@ captured, the driver's own host-side problems, weights that are missing or alter
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,9 +24,10 @@ if TYPE_CHECKING:
     from sparkrun_coldsnap.launch.engine_env import EngineFacts
 
 # Fields of the workload a capsule is not bound to: where the model files and
-# caches sit and what the hosts are called may differ between capture and restore,
-# and the weight path is chosen at each restore.
+# caches sit, what the hosts are called and what the recipe's file is named may
+# differ between capture and restore, and the weight path is chosen at each restore.
 PLACE_ONLY = {
+    ("recipe",),
     ("weights",),
     ("model", "path"),
     ("topology", "hosts"),
@@ -63,8 +65,23 @@ def fingerprint(
     )
 
 
-def identity_differences(captured: Workload, requested: Workload) -> list[str]:
-    """How the recipe's workload now differs from the one the capsule holds."""
+_PORT_OPTION = re.compile(r"(--port[= ])(\d+)")
+
+
+def at_port(workload: Workload, port: int) -> Workload:
+    """*workload* serving on *port*: its launch port and the command's ``--port`` option."""
+    command = _PORT_OPTION.sub(lambda m: m.group(1) + str(port), workload.launch.command)
+    return workload.model_copy(update={"launch": workload.launch.model_copy(update={"port": port, "command": command})})
+
+
+def identity_differences(captured: Workload, requested: Workload, *, port_forwarded: bool = False) -> list[str]:
+    """How the recipe's workload now differs from the one the capsule holds.
+
+    With *port_forwarded* (the driver restores host processes into a network namespace of
+    their own and forwards the recipe's port to the captured one) the port is place-only.
+    """
+    if port_forwarded:
+        requested = at_port(requested, captured.launch.port)
     a, b = captured.model_dump(mode="json"), requested.redacted().model_dump(mode="json")
     out: list[str] = []
 
@@ -80,13 +97,15 @@ def identity_differences(captured: Workload, requested: Workload) -> list[str]:
 
 
 def admission(
-    cfg: CapsuleConfig, req: RestoreRequest, here: Fingerprint, driver: SnapshotDriver, adapter: EngineAdapter,
+    cfg: CapsuleConfig, req: RestoreRequest, here: Fingerprint, driver: SnapshotDriver, adapter: EngineAdapter, *,
+    replacing: frozenset[int] = frozenset(),
 ) -> tuple[list[str], weight_paths.WeightChoice | None]:  # fmt: skip
     """What refuses this restore here (empty: nothing), and how its weights would come back."""
-    problems = ["recipe changed since capture: %s" % d for d in identity_differences(cfg.workload, req.workload)]
+    forwarded = driver.own_namespaces and req.workload.launch.executor == "local"
+    problems = ["recipe changed since capture: %s" % d for d in identity_differences(cfg.workload, req.workload, port_forwarded=forwarded)]
     problems += [str(m) for m in compare(cfg.fingerprint, here)]
     for unit in cfg.units:
-        problems += driver.admission(unit)
+        problems += driver.admission(unit, replacing=replacing)
         drifted = file_drift.differences(unit.files)
         if drifted:
             problems.append(file_drift.refusal(drifted))

@@ -92,9 +92,26 @@ def _gpus(cap: Fingerprint, here: Fingerprint) -> list[Mismatch]:
     return out
 
 
+def _inside_image(field: str) -> Callable[[Fingerprint, Fingerprint], list[Mismatch]]:
+    """A fact about the engine inside a container image: a capsule that did not record it
+    (captured before the image was probed) is bound to it by the image digest alone."""
+    same = _same(field)
+
+    def check(cap: Fingerprint, here: Fingerprint) -> list[Mismatch]:
+        if getattr(cap, field) is None and cap.image_digest is not None and cap.image_digest == here.image_digest:
+            return []
+        return same(cap, here)
+
+    return check
+
+
 # Fields compared by a rule of their own; every other field of the fingerprint must be equal,
 # so a field added to the model is checked without anyone remembering to.
-SPECIAL_CHECKS: dict[str, Callable[[Fingerprint, Fingerprint], list[Mismatch]]] = {"cpu_features": _features, "gpus": _gpus}
+SPECIAL_CHECKS: dict[str, Callable[[Fingerprint, Fingerprint], list[Mismatch]]] = {
+    "cpu_features": _features,
+    "gpus": _gpus,
+    **{name: _inside_image(name) for name in ("engine_version", "python_version", "torch_version", "engine_env_digest")},
+}
 
 
 def checks() -> tuple[Callable[[Fingerprint, Fingerprint], list[Mismatch]], ...]:

@@ -22,7 +22,7 @@ from sparkrun_coldsnap.documents.settings import Settings
 from sparkrun_coldsnap.drivers.base import UnitImage
 from sparkrun_coldsnap.engines.base import Endpoint
 from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, RequestError, ValidationError
-from sparkrun_coldsnap.host import disk_room, leftovers, paths
+from sparkrun_coldsnap.host import disk_room, engine_temp, leftovers, paths
 from sparkrun_coldsnap.host.facts import host_facts
 from sparkrun_coldsnap.host.iouring import io_uring_disabled
 from sparkrun_coldsnap.host.ports import port_holder
@@ -117,12 +117,13 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, settings: Settings | No
             attempt.running = None
             unit.stop(grace=10.0)
             unit.reap()
+            engine_temp.sweep(keep=frozenset(f.path for f in image.files))  # the stopped engine's sockets and init files in /tmp
             with rb.phase("model_check"):
                 # The digests recorded before the launch must still describe the files the engine read.
                 changed = model_files.verify(Path(w.model.path), recorded_files)
             if changed:
                 raise CaptureError("the model files changed while the engine loaded them: %s; capture again" % "; ".join(changed))
-            with rb.phase("pack"), progress.transfer("packing %.0f MB of process images" % (image.image_bytes / 1e6), image.image_bytes) as tick:
+            with rb.phase("pack"), progress.transfer("packing %.1f MB of process images" % (image.image_bytes / 1e6), image.image_bytes) as tick:
                 layers = pack_unit(run.images, unit_def.name, staging, tick=tick)
             config = CapsuleConfig(
                 name=req.capsule.name,

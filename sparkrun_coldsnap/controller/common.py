@@ -14,7 +14,7 @@ from sparkrun_coldsnap.drivers.base import SnapshotDriver
 from sparkrun_coldsnap.engines.base import Endpoint, EngineAdapter
 from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, RequestError, describe_cleanup_failure
 from sparkrun_coldsnap.launch.base import Launcher, RunningUnit
-from sparkrun_coldsnap.launch.engine_env import EngineEnv, EngineFacts, command_facts
+from sparkrun_coldsnap.launch.engine_env import EngineEnv, EngineFacts, command_facts, image_facts
 from sparkrun_coldsnap.launch.units import launcher_for
 from sparkrun_coldsnap.progress import Progress
 
@@ -52,8 +52,11 @@ def resolve(workload: Workload, settings: Settings) -> Resolved:
         facts = engine_env.facts()
     elif workload.launch.executor == "local":
         facts = command_facts(workload.launch.command, {"PATH": settings.environ.get("PATH", ""), **workload.launch.env})
+    elif workload.launch.image:
+        # A container: the image digest pins what is inside; its versions are read there for people.
+        facts = image_facts(workload.launch.image, workload.launch.command)
     else:
-        facts = None  # a container: the image digest stands for what is inside
+        facts = None
     return Resolved(adapter, driver, launcher, engine_env, facts)
 
 

@@ -3,8 +3,6 @@ still serves), then activate (restore, bring the weights back, validate)."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +19,9 @@ from sparkrun_coldsnap.documents.receipts import ReceiptBuilder, Weights
 from sparkrun_coldsnap.documents.request import RestoreRequest
 from sparkrun_coldsnap.documents.settings import Settings
 from sparkrun_coldsnap.errors import CompatibilityError, RestoreError, ValidationError
-from sparkrun_coldsnap.host import paths
+from sparkrun_coldsnap.host import engine_temp, paths
 from sparkrun_coldsnap.host.atomic import owned_prefix
-from sparkrun_coldsnap.host.ports import port_holder
+from sparkrun_coldsnap.host.ports import port_holder_settled
 from sparkrun_coldsnap.launch.base import StagedUnit
 from sparkrun_coldsnap.progress import QUIET, Progress
 from sparkrun_coldsnap.weights import page_cache, weight_paths
@@ -33,8 +31,7 @@ def new_restore_staging(store: CapsuleStore, unpacked_bytes: int) -> Path:
     """Memory-backed staging when there is room for it, else the store's own."""
     memory = paths.memory_staging(unpacked_bytes)
     if memory is not None:
-        memory.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=owned_prefix("restore-"), dir=memory))
+        return paths.new_memory_staging(memory, owned_prefix("restore-"))
     return store.new_staging_dir("restore-")
 
 
@@ -50,20 +47,37 @@ class PreparedRestore:
     staged: StagedUnit
     prepare_seconds: float = 0.0
     weights: weight_paths.WeightChoice | None = None
+    #: what the restore needs that the workload it replaces holds (freed when that one is stopped)
+    held_by_replaced: tuple[str, ...] = ()
 
     def discard(self) -> None:
         """Drop everything preparation made (an activation that never happens, or after one)."""
         self.staged.discard()
 
 
-def check_admission(cap: Capsule, req: RestoreRequest, r: Resolved) -> tuple[list[str], weight_paths.WeightChoice | None]:
+def check_admission(
+    cap: Capsule, req: RestoreRequest, r: Resolved, *, replacing: frozenset[int] = frozenset()
+) -> tuple[list[str], weight_paths.WeightChoice | None]:
     """Admission of *cap* for *req* on this host, with this host's fingerprint."""
     here = r.fingerprint(req.workload, r.driver.checkpoint_tool_version())
-    return admission(cap.config, req, here, r.driver, r.adapter)
+    return admission(cap.config, req, here, r.driver, r.adapter, replacing=replacing)
 
 
-def prepare_restore(req: RestoreRequest, *, store: CapsuleStore, settings: Settings | None = None, progress: Progress = QUIET) -> PreparedRestore:
-    """Admission and staging: everything that can fail before the old workload is stopped."""
+def held_by_replaced(cap: Capsule, r: Resolved, problems: list[str], replacing: frozenset[int]) -> tuple[str, ...]:
+    """What the driver would refuse if the workload being replaced (*replacing*) were not stopped first."""
+    if not replacing:
+        return ()
+    return tuple(p for unit in cap.config.units for p in r.driver.admission(unit) if p not in problems)
+
+
+def prepare_restore(
+    req: RestoreRequest, *, store: CapsuleStore, settings: Settings | None = None, progress: Progress = QUIET, replacing: frozenset[int] = frozenset(),
+) -> PreparedRestore:  # fmt: skip
+    """Admission and staging: everything that can fail before the old workload is stopped.
+
+    *replacing* is the PIDs of the workload this restore replaces: the captured PIDs and shared
+    files they hold are freed when it is stopped, which happens after staging and before the
+    restore; they are named in the result (``held_by_replaced``) and the receipt, not refused."""
     settings = settings or settings_mod.current()
     rb = ReceiptBuilder("restore", request_sha256=req.digest())
     rb.capsule_ref = req.capsule.ref
@@ -78,13 +92,16 @@ def prepare_restore(req: RestoreRequest, *, store: CapsuleStore, settings: Setti
             r = resolve(req.workload, settings)
             if cap.config.driver != r.driver.name:
                 raise CompatibilityError("capsule %s was captured with driver %s, the recipe asks for %s" % (req.capsule.ref, cap.config.driver, r.driver.name))
-            problems, choice = check_admission(cap, req, r)
+            problems, choice = check_admission(cap, req, r, replacing=replacing)
             if problems:
                 raise CompatibilityError("admission refused for capsule %s: %s" % (req.capsule.ref, "; ".join(problems)))
+            held = held_by_replaced(cap, r, problems, replacing)
+            if held:
+                rb.details["held_by_replaced_workload"] = list(held)
         total = sum(d.size for d in cap.layers)
         unpacked = sum(int((d.annotations or {}).get(media.A_UNPACKED_SIZE, d.size)) for d in cap.layers)
         staging = new_restore_staging(store, unpacked)
-        attempt.on_failure(lambda: shutil.rmtree(staging, ignore_errors=True))
+        attempt.on_failure(lambda: paths.remove_staging(staging))
         with rb.phase("prepare.stage"), progress.transfer("verifying and unpacking capsule %s" % req.capsule.ref, total) as tick:
             for d in cap.layers:
                 unpack_layer(store, d, staging / "units", tick=tick)
@@ -94,7 +111,7 @@ def prepare_restore(req: RestoreRequest, *, store: CapsuleStore, settings: Setti
         attempt.on_failure(staged.discard)
         if choice is not None:
             choice = page_cache.cache_for_restore(cap.config, choice, req.workload.model.path, rb, progress, enabled=settings.weights_cache)
-        return PreparedRestore(req, cap, r, settings, rb, staged, prepare_seconds=time.monotonic() - t, weights=choice)
+        return PreparedRestore(req, cap, r, settings, rb, staged, prepare_seconds=time.monotonic() - t, weights=choice, held_by_replaced=held)
 
 
 def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Progress = QUIET) -> ServingOutcome:
@@ -103,7 +120,7 @@ def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Pro
     w = req.workload
     try:
         with settings_mod.using(prepared.settings), Attempt(rb) as attempt:
-            holder = port_holder(w.launch.port)
+            holder = port_holder_settled(w.launch.port)
             if holder:
                 raise RestoreError("port %d is in use by %s: stop that workload before restoring" % (w.launch.port, holder))
             t0 = time.monotonic()
@@ -138,6 +155,7 @@ def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Pro
                 )
             rb.details["prepare_seconds"] = round(prepared.prepare_seconds, 4)
             rb.details["root_pid"] = root_pid
+            engine_temp.sweep()  # what the workload this one replaced left in /tmp
             return ServingOutcome(finish(rb, None), root_pid, validation.ttft_seconds, running)
     finally:
         prepared.discard()

@@ -56,6 +56,7 @@ class UnitImage(Strict):
     log_resource: str | None = Field(None, description="The output file as CRIU names it; a fresh one replaces it at restore.")
     shared_files: tuple[SharedFile, ...] = ()
     tcp_established: bool = False
+    listening_ports: tuple[int, ...] = Field((), description="TCP ports the tree listened on at capture (a restore in its own network namespace forwards the recipe's port to the captured one).")
     image_bytes: int = 0
     criu_version: str | None = None
     files: tuple[RecordedFile, ...] = Field(
@@ -83,6 +84,10 @@ class SnapshotDriver(ABC):
     #: after a restore the engine loads its weights itself (a template); otherwise they
     #: are in the images or hydrated by the engine adapter.
     engine_loads_weights: ClassVar[bool] = False
+    #: a host-process unit comes back in PID, mount and network namespaces of its own: its
+    #: captured PIDs, shared-memory names and port need not be free on the host, and the
+    #: recipe's port may differ from the captured one (it is forwarded).
+    own_namespaces: ClassVar[bool] = False
 
     @property
     def checkpoints_serving(self) -> bool:
@@ -130,8 +135,12 @@ class SnapshotDriver(ABC):
         """Capture the tree rooted at *root_pid* into *images*; the tree is gone afterwards."""
 
     @abstractmethod
-    def admission(self, unit: UnitImage) -> list[str]:
-        """Host-side problems that would make restoring *unit* fail (PIDs, files in use)."""
+    def admission(self, unit: UnitImage, *, replacing: frozenset[int] = frozenset()) -> list[str]:
+        """Host-side problems that would make restoring *unit* fail (PIDs, files in use).
+
+        *replacing* is the PIDs of the workload the restore replaces: what they hold is freed
+        when sparkrun stops that workload, after staging and before the restore, so it is no
+        problem."""
 
     def warm_up(self, unit: UnitImage) -> Any:
         """Start, during preparation, what a restore of *unit* will need and that does not
@@ -140,8 +149,13 @@ class SnapshotDriver(ABC):
         return None
 
     @abstractmethod
-    def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None, warm: Any = None) -> RestoredUnit:
+    def restore(
+        self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None, warm: Any = None, port: int | None = None,
+    ) -> RestoredUnit:  # fmt: skip
         """Restore *unit* from *images*.
+
+        *port* is the host port the workload serves on (a driver with ``own_namespaces``
+        forwards it to the captured one; None: the captured port, on the host's network).
 
         *owned_dir* is the staging directory holding *images*; a driver that
         still reads the images after returning (memory restored on demand)

@@ -3,13 +3,14 @@
 The engine cannot release its weights on the CPU (vLLM has no sleep mode
 there), so they travel inside the process images: the capsule says so.
 
-The tree runs in the host PID namespace, and restore needs the captured PIDs
-free (admission checks, and names any process holding one). A PID namespace
-of its own would avoid that, but without a /proc of its own the engine reads
-the wrong processes' /proc/<pid> files (vLLM reads /proc/<getpid()>/status),
-and with one (a new mount namespace) CRIU cannot dump the tree's descriptors
-opened on the host's mounts. CUDA also failed to initialize inside a PID
-namespace on the GPU machine.
+The engine is captured where it ran, in the host's namespaces, and comes
+back in PID, mount and network namespaces of its own
+(:mod:`sparkrun_coldsnap.drivers.criu_isolated`): its captured PIDs and
+``/dev/shm`` names never meet the host's, so a restore can be staged while
+the workload it replaces still serves, and one capsule can be restored twice
+on one host, each on its own port. (The GPU drivers restore into the host's
+namespaces: CUDA failed to initialize inside a PID namespace on the GPU
+machine.)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from sparkrun_coldsnap.drivers import criu_tree, tree_inspect
+from sparkrun_coldsnap.drivers import criu_isolated, criu_tree, tree_inspect
 from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, Support, UnitImage
 from sparkrun_coldsnap.drivers.criu_driver import CriuDriver
 from sparkrun_coldsnap.drivers.criu_tool import Criu
@@ -33,6 +34,7 @@ class CpuDriver(CriuDriver):
     preference = 90  # after the GPU drivers: a GPU host should not pick it by default
     summary = "CRIU process-tree capture for CPU engines; weights inside the process images"
     weights_in_image = True
+    own_namespaces = True
 
     def support(self, host: HostFacts) -> Support:
         if platform.system() != "Linux":
@@ -51,18 +53,16 @@ class CpuDriver(CriuDriver):
     def checkpoint(self, root_pid: int, images: Path, *, unit: str, host: str, progress: Progress) -> UnitImage:
         return criu_tree.dump(Criu.locate(), root_pid, images, unit=unit, host=host, driver=self.name, progress=progress)
 
-    def admission(self, unit: UnitImage) -> list[str]:
-        criu_tree.lazy_pages_supported(Criu.locate())  # probed now, off the restore clock
-        return criu_tree.restore_problems(unit)
+    def admission(self, unit: UnitImage, *, replacing: frozenset[int] = frozenset()) -> list[str]:
+        # Restored in namespaces of its own, the tree needs none of the host's PIDs,
+        # shared-memory names or ports: nothing on the host can be in its way.
+        return []
 
-    def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None, warm: Any = None) -> RestoredUnit:
-        criu = Criu.locate()
-        # Memory on demand: the tree resumes before its pages are copied, and
-        # an engine touches little of its memory to answer (its KV cache and
-        # ring buffers are mostly idle), so the first token comes sooner.
-        lazy = criu_tree.lazy_pages_supported(criu)
-        pid, handed = criu_tree.restore(criu, unit, images, log_path=log_path, progress=progress, lazy=lazy, owned_dir=owned_dir)
-        return RestoredUnit(pid, handed)
+    def restore(
+        self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None, warm: Any = None, port: int | None = None,
+    ) -> RestoredUnit:  # fmt: skip
+        root, _keeper = criu_isolated.restore(Criu.locate(), unit, images, log_path=log_path, progress=progress, host_port=port)
+        return RestoredUnit(root)
 
 
     def checkpoint_container(self, unit: Any, images: Path, *, unit_name: str, host: str, spec: Any, progress: Progress) -> UnitImage:

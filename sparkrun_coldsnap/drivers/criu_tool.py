@@ -6,13 +6,18 @@ an inet socket on kernels >= 6.16), so where the system has none that works,
 ``sparkrun coldsnap setup --criu`` unpacks CRIU 4.2.x into a private prefix,
 run through that prefix's own dynamic loader because it needs a newer libc
 than the host's.
+
+``setup --docker`` puts a two-line wrapper of that private CRIU first on PATH
+(:data:`WRAPPER`), because runc runs whichever ``criu`` PATH gives it. That
+wrapper is recognized as what it is, never taken for the distribution's CRIU.
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import re
-import shutil
+import shlex
 import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -24,6 +29,10 @@ from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.host.runner import Completed, run
 
 MIN_VERSION = (4, 2)
+#: where ``setup --docker`` writes the wrapper runc runs, and the line that marks it as ours
+WRAPPER = Path("/usr/local/sbin/criu")
+WRAPPER_MARK = "# CRIU 4.2 from the private prefix, for runc."
+DPKG_LIST = Path("/var/lib/dpkg/info/criu.list")
 _VERSION_RE = re.compile(r"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?")
 
 
@@ -46,12 +55,60 @@ def private_argv(prefix: Path | None = None) -> tuple[str, ...] | None:
     return (str(loader), "--library-path", str(libdir), str(binary))
 
 
+def wrapper_script(private: Sequence[str]) -> str:
+    """The wrapper runc runs: exec the private CRIU through its loader."""
+    return "#!/bin/sh\n%s\nexec %s \"$@\"\n" % (WRAPPER_MARK, " ".join(shlex.quote(a) for a in private))
+
+
+def wrapped_argv(path: Path) -> tuple[str, ...] | None:
+    """The command a ``criu`` wrapper written by ``setup --docker`` runs; None for anything else."""
+    try:
+        if path.stat().st_size > 4096:
+            return None
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if WRAPPER_MARK not in text:
+        return None
+    for line in text.splitlines():
+        if line.startswith("exec "):
+            words = shlex.split(line)[1:]
+            return tuple(w for w in words if w != "$@") or None
+    return None
+
+
+def on_path() -> list[Path]:
+    """Every distinct ``criu`` on PATH, in PATH order (the first is what runc runs)."""
+    seen: set[Path] = set()
+    out = []
+    for d in os.get_exec_path():
+        p = Path(d or ".") / "criu"
+        if not (p.is_file() and os.access(p, os.X_OK)):
+            continue
+        real = p.resolve()
+        if real not in seen:
+            seen.add(real)
+            out.append(p)
+    return out
+
+
+def packaged(path: Path) -> bool:
+    """Does the distribution's ``criu`` package own *path*?"""
+    try:
+        return str(path.resolve()) in {l.strip() for l in DPKG_LIST.read_text().splitlines()}
+    except OSError:
+        return False
+
+
 @dataclass(frozen=True)
 class CriuCandidate:
-    source: str  # "system" or "private"
+    #: "COLDSNAP_CRIU"; "distribution" (its package's criu); "system" (another criu on PATH);
+    #: "private" (unpacked by setup); "wrapper" (the runc wrapper of a private CRIU)
+    source: str
     argv: tuple[str, ...]
     version: str | None
     problem: str | None
+    path: str = ""
 
     @property
     def usable(self) -> bool:
@@ -63,33 +120,49 @@ def parse_version(text: str) -> tuple[int, int, int] | None:
     return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) if m else None
 
 
-def _probe(source: str, argv: tuple[str, ...]) -> CriuCandidate:
+def _probe(source: str, argv: tuple[str, ...], path: str = "") -> CriuCandidate:
+    path = path or argv[-1]
     try:
         out = run([*argv, "--version"], timeout=30, check=False, what="criu --version")
     except ToolError as err:
-        return CriuCandidate(source, argv, None, str(err))
+        return CriuCandidate(source, argv, None, str(err), path)
     v = parse_version(out.stdout + out.stderr)
     if v is None:
-        return CriuCandidate(source, argv, None, "criu --version printed no version (exit %d): %s" % (out.returncode, out.tail()))
+        return CriuCandidate(source, argv, None, "criu --version printed no version (exit %d): %s" % (out.returncode, out.tail()), path)
     version = "%d.%d.%d" % v
     if v[:2] < MIN_VERSION:
-        return CriuCandidate(source, argv, version, "criu %s is older than 4.2, which inet sockets need on current kernels" % version)
-    return CriuCandidate(source, argv, version, None)
+        return CriuCandidate(source, argv, version, "criu %s is older than 4.2, which inet sockets need on current kernels" % version, path)
+    return CriuCandidate(source, argv, version, None, path)
+
+
+def probe_path(path: Path) -> CriuCandidate:
+    """What a ``criu`` on PATH is: the runc wrapper of a private CRIU, the distribution's, or another."""
+    wrapped = wrapped_argv(path)
+    if wrapped is not None:
+        return _probe("wrapper", wrapped, str(path))
+    return _probe("distribution" if packaged(path) else "system", (str(path),))
 
 
 def candidates() -> list[CriuCandidate]:
-    """Every CRIU this host offers, system first, each with why it can't be used."""
+    """Every CRIU this host offers, each with why it can't be used: an override, the ones on
+    PATH (a wrapper of a private CRIU last among them), then the private one."""
     out = []
     override = settings.current().criu
     if override:
         out.append(_probe("COLDSNAP_CRIU", override))
-    system = shutil.which("criu")
-    if system:
-        out.append(_probe("system", (system,)))
+    found = [probe_path(p) for p in on_path()]
+    out += [c for c in found if c.source != "wrapper"]
     private = private_argv()
     if private:
         out.append(_probe("private", private))
+    out += [c for c in found if c.source == "wrapper"]
     return out
+
+
+def for_runc() -> CriuCandidate | None:
+    """The CRIU runc runs (the first ``criu`` on PATH), or None when PATH has none."""
+    found = on_path()
+    return probe_path(found[0]) if found else None
 
 
 class Criu:

@@ -21,7 +21,6 @@ import functools
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -81,6 +80,7 @@ def dump(
     pids = tuple(tree_pids(root_pid))
     shared = shared_memory_files(root_pid)
     tcp = tree_inspect.established_inside(root_pid)
+    listening = tree_inspect.listening_ports(root_pid)
     resource = _output_resource(root_pid)
     dirs = _remap_dirs(shared)
     before = _listing(dirs)
@@ -112,6 +112,7 @@ def dump(
         log_resource=resource,
         shared_files=tuple(saved),
         tcp_established=tcp,
+        listening_ports=listening,
         image_bytes=size,
         criu_version=criu.version,
     )
@@ -221,17 +222,20 @@ def pid_problems(pids: tuple[int, ...], *, zombie_wait: float = 5.0) -> list[str
     return ["captured PID %d is taken by %s (%s): restore needs it free; stop that process" % held_pid for held_pid in held]
 
 
-def restore_problems(unit: UnitImage) -> list[str]:
+def restore_problems(unit: UnitImage, *, replacing: frozenset[int] = frozenset()) -> list[str]:
     """What on this host stops *unit* from coming back: its captured PIDs (a tree restored
-    into the host PID namespace needs them free) and its shared files in use."""
-    return ([] if unit.pid_namespace else pid_problems(unit.pids)) + shared_file_problems(unit)
+    into the host PID namespace needs them free) and its shared files in use; what the
+    processes in *replacing* (the workload being replaced, stopped before the restore) hold
+    is not in the way."""
+    pids = tuple(p for p in unit.pids if p not in replacing)
+    return ([] if unit.pid_namespace else pid_problems(pids)) + shared_file_problems(unit, replacing=replacing)
 
 
-def shared_file_problems(unit: UnitImage) -> list[str]:
+def shared_file_problems(unit: UnitImage, *, replacing: frozenset[int] = frozenset()) -> list[str]:
     paths = {f.path for f in unit.shared_files}
     return [
         "%s is in use by pid %s: stop that workload before restoring this capsule" % (path, ", ".join(who))
-        for path, who in sorted(users_of(paths).items())
+        for path, who in sorted(users_of(paths, exclude=replacing).items())
     ]
 
 
@@ -360,7 +364,7 @@ def restore(
     if daemon is not None and owned_dir is not None and daemon.poll() is not None:
         # A small tree's pages can all be delivered before criu restore has finished writing
         # its statistics there: the daemon's removal then raced it, so remove again.
-        shutil.rmtree(owned_dir, ignore_errors=True)
+        paths.remove_staging(owned_dir)
     try:
         return int(pidfile.read_text().strip()), daemon is not None and owned_dir is not None
     except (OSError, ValueError) as err:

@@ -103,10 +103,10 @@ class N580Driver(CriuDriver):
         except ProcessLookupError as err:
             raise CaptureError("the template process %d is gone" % root_pid) from err
 
-    def admission(self, unit: UnitImage) -> list[str]:
-        return criu_tree.restore_problems(unit)
+    def admission(self, unit: UnitImage, *, replacing: frozenset[int] = frozenset()) -> list[str]:
+        return criu_tree.restore_problems(unit, replacing=replacing)
 
-    def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None, warm: Any = None) -> RestoredUnit:
+    def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None, warm: Any = None, port: int | None = None) -> RestoredUnit:
         pid, handed = criu_tree.restore(Criu.locate(), unit, images, log_path=log_path, progress=progress, lazy=False)
         self.after_checkpoint(pid)
         return RestoredUnit(pid, handed)

@@ -81,10 +81,10 @@ class N610Driver(CriuDriver):
         data: dict[str, Any] = {"cuda_pids": cuda, "gpu_uuids": uuids, "host_gpu_uuids": every, "driver_version": api.driver_version}
         return image.model_copy(update={"driver_data": data})
 
-    def admission(self, unit: UnitImage) -> list[str]:
+    def admission(self, unit: UnitImage, *, replacing: frozenset[int] = frozenset()) -> list[str]:
         if _lazy_wanted():
             criu_tree.lazy_pages_supported(Criu.locate())  # probed now, off the restore clock
-        return criu_tree.restore_problems(unit)
+        return criu_tree.restore_problems(unit, replacing=replacing)
 
     def warm_up(self, unit: UnitImage) -> cuda_checkpoint.HelperProcess:
         # The helper's CUDA initialization takes seconds: let it happen before the clock starts.
@@ -96,7 +96,7 @@ class N610Driver(CriuDriver):
             api.kill()
         raise ToolError("the CUDA checkpoint helper keeps getting a PID the capsule needs: retry the restore")
 
-    def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None, warm: Any = None) -> RestoredUnit:
+    def restore(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None, warm: Any = None, port: int | None = None) -> RestoredUnit:
         # The helper sees every GPU (the driver checks the captured UUIDs against the caller's);
         # this side's CUDA_VISIBLE_DEVICES picks the GPUs the workload comes back on. Without a
         # warmed one, it starts now and initializes CUDA while CRIU restores the tree.

@@ -152,3 +152,9 @@ def established_inside(root_pid: int) -> bool:
     return any(s.inode in owned and s.state not in ("LISTEN", "CLOSE") for s in tcp_sockets(root_pid))
 
 
+
+
+def listening_ports(root_pid: int) -> tuple[int, ...]:
+    """The TCP ports the tree listens on (its serving port among them)."""
+    owned = {ino for p in tree(root_pid) for _, t in fd_targets(p.pid) if (ino := _socket_inode(t)) is not None}
+    return tuple(sorted({s.local[1] for s in tcp_sockets(root_pid) if s.inode in owned and s.state == "LISTEN"}))

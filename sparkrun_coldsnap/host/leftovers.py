@@ -46,6 +46,7 @@ def release(root_pid: int) -> None:
 class Recovered:
     stopped: tuple[str, ...]
     io_uring: str | None
+    temp_files: tuple[Path, ...] = ()
 
 
 def _alive(pid: int) -> bool:
@@ -82,7 +83,10 @@ def stop_orphans() -> tuple[str, ...]:
 
 
 def recover() -> Recovered:
-    """Undo what operations killed outright left: their engines, the io_uring setting."""
+    """Undo what operations killed outright left: their engines, the io_uring setting, and
+    the files stopped engines left in /tmp."""
+    from sparkrun_coldsnap.host import engine_temp
     from sparkrun_coldsnap.host.iouring import put_back_after_crash
 
-    return Recovered(stop_orphans(), put_back_after_crash())
+    stopped = stop_orphans()
+    return Recovered(stopped, put_back_after_crash(), tuple(engine_temp.sweep()))

@@ -7,6 +7,8 @@ environments, the run state and the capsule store.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 
 from sparkrun_coldsnap.documents.settings import current
@@ -64,4 +66,31 @@ def memory_staging(needed_bytes: int) -> Path | None:
         return None
     if free < 2 * needed_bytes:
         return None
-    return root / "coldsnap-staging"
+    return root / MEMORY_STAGING
+
+
+MEMORY_STAGING = "coldsnap-staging"
+
+
+def new_memory_staging(memory: Path, prefix: str) -> Path:
+    """A private directory under *memory* (``.../coldsnap-staging``), made even while another
+    operation removes that folder for being empty (see :func:`remove_staging`)."""
+    for _ in range(10):
+        memory.mkdir(parents=True, exist_ok=True)
+        try:
+            return Path(tempfile.mkdtemp(prefix=prefix, dir=memory))
+        except FileNotFoundError:
+            continue  # emptied and removed between the two calls: make it again
+    raise OSError("cannot make a staging directory under %s" % memory)
+
+
+def remove_staging(directory: Path) -> None:
+    """Remove a staging directory, and the memory staging folder above it once that is empty:
+    /dev/shm is the host's, and a folder left there (empty or not) is memory nobody frees."""
+    shutil.rmtree(directory, ignore_errors=True)
+    parent = Path(directory).parent
+    if parent.name == MEMORY_STAGING:
+        try:
+            parent.rmdir()  # fails, as it should, while another operation's directory is in it
+        except OSError:
+            pass

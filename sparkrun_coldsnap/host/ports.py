@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 
 import psutil
 
@@ -29,3 +30,12 @@ def port_holder(port: int) -> str | None:
         except OSError:
             return "another process"
     return None
+
+
+def port_holder_settled(port: int, wait: float = 5.0) -> str | None:
+    """:func:`port_holder`, given *wait* seconds for a just-stopped holder to let go
+    (a workload's port forwarder closes its socket when the tree it serves has ended)."""
+    deadline = time.monotonic() + wait
+    while (holder := port_holder(port)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return holder

@@ -70,12 +70,14 @@ def shared_memory_files(root_pid: int) -> list[str]:
     return sorted(out)
 
 
-def users_of(paths: set[str]) -> dict[str, list[str]]:
-    """Which live processes have any of *paths* open or mapped."""
+def users_of(paths: set[str], *, exclude: frozenset[int] = frozenset()) -> dict[str, list[str]]:
+    """Which live processes (other than those in *exclude*) have any of *paths* open or mapped."""
     found: dict[str, list[str]] = {}
     if not paths:
         return found
     for p in psutil.process_iter(["pid", "name"]):
+        if p.pid in exclude:
+            continue
         try:
             held = {t for _, t in fd_targets(p.pid)} | mapped_paths(p.pid)
         except psutil.Error:
@@ -127,9 +129,13 @@ def _not_zombie(p: psutil.Process) -> bool:
 
 
 def _shared_files(root_pid: int) -> list[str]:
+    """The tree's shared-memory files, when they are the host's (a tree restored into a
+    mount namespace of its own has a /dev/shm of its own, gone with its last process)."""
     try:
+        if os.readlink("/proc/%d/ns/mnt" % root_pid) != os.readlink("/proc/self/ns/mnt"):
+            return []
         return shared_memory_files(root_pid)
-    except psutil.Error:
+    except (psutil.Error, OSError):
         return []
 
 

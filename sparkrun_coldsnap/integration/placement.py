@@ -201,7 +201,10 @@ def workload_labels(actx: Any) -> dict[str, str]:
 
 
 def capsule_name(actx: Any, block: ColdsnapBlock) -> CapsuleName:
-    recipe = actx.execution.plan.recipe
+    return capsule_name_of(actx.execution.plan.recipe, block)
+
+
+def capsule_name_of(recipe: Any, block: ColdsnapBlock) -> CapsuleName:
     name = block.capsule.name or re.sub(r"[^a-z0-9]+", "-", Path(source_of(recipe)).stem.lower()).strip("-") or "capsule"
     return CapsuleName(name=name, tag=block.capsule.tag)
 
@@ -216,8 +219,11 @@ def store_of(block: ColdsnapBlock, override: str | None = None) -> CapsuleStore:
 
 
 def store_for(context: Any) -> CapsuleStore:
-    opts = context.execution.options.strategy_options or {}
-    return store_of(block_of(context.execution.plan.recipe), opts.get(OPT_STORE))
+    return store_for_run(context.execution.options, context.execution.plan.recipe)
+
+
+def store_for_run(options: Any, recipe: Any) -> CapsuleStore:
+    return store_of(block_of(recipe), (options.strategy_options or {}).get(OPT_STORE))
 
 
 def capture_request(actx: Any) -> CaptureRequest:

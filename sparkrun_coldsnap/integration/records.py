@@ -34,3 +34,23 @@ def register_local(name: str, pid: int) -> Path:
     write_bytes(pidfile.with_name(pidfile.name + ".owner"), get_application_profile().id.encode())
     write_bytes(pidfile, ("%d\n" % pid).encode())
     return pidfile
+
+
+def registered_pid(name: str) -> int | None:
+    """The process sparkrun's local executor has recorded as workload *name*, if it still runs.
+
+    Only the very process recorded: a group leader started before its record was written (a PID
+    reused by another process since would be younger than the record).
+    """
+    import psutil
+
+    pidfile, _ = local_record_paths(name)
+    try:
+        pid = int(pidfile.read_text().strip())
+        recorded = pidfile.stat().st_mtime
+        p = psutil.Process(pid)
+        if p.status() == psutil.STATUS_ZOMBIE or os.getpgid(pid) != pid or p.create_time() > recorded + 1.0:
+            return None
+        return pid
+    except (OSError, ValueError, psutil.Error):
+        return None

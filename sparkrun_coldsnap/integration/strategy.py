@@ -1,8 +1,11 @@
 """``sparkrun run`` of a recipe with a ``coldsnap:`` block: restore, or start vanilla.
 
-sparkrun calls ``prepare_activation`` before it stops the old workload and ``activate``
-after: admission, staging and any pull happen in the first, so a refusal leaves the
-old workload serving.
+sparkrun runs the strategy's preparation steps before its own asset pipeline (its model
+check and download), calls ``prepare_activation`` before it stops the old workload and
+``activate`` after. A capsule missing here is pulled from ``capsule.repository`` in a
+preparation step, with the model files it was published with when this host lacks them,
+so sparkrun's model check finds them; admission and staging happen in
+``prepare_activation``, so a refusal leaves the old workload serving.
 """
 
 from __future__ import annotations
@@ -18,10 +21,10 @@ from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import Receipt, save_failure_receipt, save_receipt
 from sparkrun_coldsnap.documents.recipe_block import ColdsnapBlock
-from sparkrun_coldsnap.documents.request import RestoreRequest
-from sparkrun_coldsnap.errors import ColdsnapError, NotFoundError
+from sparkrun_coldsnap.documents.request import CapsuleName, RestoreRequest
+from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, NotFoundError
 from sparkrun_coldsnap.host import paths
-from sparkrun_coldsnap.integration.placement import OPT_PLAN_INTO, OPT_RECEIPT, capsule_name, restore_request, store_for, workload_name
+from sparkrun_coldsnap.integration.placement import OPT_PLAN_INTO, OPT_RECEIPT, capsule_name, capsule_name_of, restore_request, store_for, store_for_run, workload_name
 from sparkrun_coldsnap.integration.recipe_item import block_of, source_of
 from sparkrun_coldsnap.integration.records import local_record_paths, register_local
 from sparkrun_coldsnap.progress import Progress
@@ -53,7 +56,16 @@ class Strategy:
     name = STRATEGY
 
     def preparation_steps(self, context: Any) -> tuple:
-        return ()
+        """A pull of the recipe's capsule (and the model files it was published with) from
+        ``capsule.repository``, before sparkrun checks and downloads the model itself."""
+        from sparkrun.plugins import PreparationStep
+
+        opts = context.options
+        if opts.dry_run or isinstance((opts.strategy_options or {}).get(OPT_PLAN_INTO), list):
+            return ()
+        if not block_of(context.plan.recipe).capsule.repository:
+            return ()
+        return (PreparationStep(name="coldsnap.pull", action=pull_step),)
 
     def finalize_preparation(self, context: Any, receipts: Mapping[str, Any]) -> Any:
         from sparkrun.plugins import PreparedExecution
@@ -72,9 +84,9 @@ class Strategy:
         try:
             req = restore_request(context)
             store = store_for(context)
-            if opts.dry_run:
-                return DryRun(describe_plan(req, store))
             block = block_of(context.execution.plan.recipe)
+            if opts.dry_run:
+                return DryRun(describe_plan(req, store, block.capsule.repository).text)
             try:
                 store.resolve(req.capsule.ref)
             except NotFoundError:
@@ -91,11 +103,17 @@ class Strategy:
                         "capsule %s is not in %s and the recipe sets on_missing: fail: run `sparkrun coldsnap capture %s` first"
                         % (req.capsule.ref, store.root, source_of(context.execution.plan.recipe))
                     ) from None
-            plan = api.prepare(req, store=store, settings=settings, progress=Progress())
+            old_root, replacing = _replaced_tree(req)
+            plan = api.prepare(req, store=store, settings=settings, progress=Progress(), replacing=replacing)
             if plan.refused is not None:
                 _write_receipt(context, plan.refused)
             if plan.prepared is not None:
                 _say("capsule %s admitted and staged in %.1f s (before the old workload is stopped)" % (req.capsule.ref, plan.prepared.prepare_seconds))
+                if plan.prepared.held_by_replaced:
+                    _say(
+                        "the workload this run replaces (pid %d) holds what the restore needs (%s): it is stopped next, before the restore"
+                        % (old_root or 0, "; ".join(plan.prepared.held_by_replaced))
+                    )
             return plan
         except ColdsnapError as err:
             _write_failure_receipt(context, err)
@@ -112,6 +130,8 @@ class Strategy:
         name = workload_name(context)
         _, log_path = local_record_paths(name)
         local = plan.request.workload.launch.executor == "local"
+        if local:
+            _stop_replaced(name)
         try:
             done = api.activate(plan, log_path=log_path, on_started=(lambda pid: _register(name, pid)) if local else None, progress=Progress(), on_note=_say)
         except ColdsnapError as err:
@@ -128,33 +148,114 @@ class Strategy:
             _say("vanilla start answered after %.1f s" % (out.ttft_seconds or 0))
             return ActivationResult(rc=0, runtime_info={"coldsnap": "vanilla start (no capsule)", "coldsnap_ttft_s": ttft})
         digest = (out.receipt.capsule or "")[:19]
-        _say("restored %s (%s): first token %.2f s after restore began, reply matches capture" % (plan.request.capsule.ref, digest, out.ttft_seconds or 0))
+        _say("restored %s (%s): first token %.2f s after the restore began, reply matches capture" % (plan.request.capsule.ref, digest, out.ttft_seconds or 0))
+        if not local:
+            # sparkrun then measures a container on its own clock; two numbers, so say whose is whose.
+            _say(
+                "that time counts from the start of the restore (staging excluded, CRIU included); sparkrun's "
+                "'container-start' figures below count from the moment docker reports the restored container started, "
+                "and its TTFT is a request of its own sent after this validation"
+            )
         return ActivationResult(rc=0, runtime_info={"coldsnap": "restored %s" % digest, "coldsnap_ttft_s": ttft})
+
+
+def _replaced_tree(req: RestoreRequest) -> tuple[int | None, frozenset[int]]:
+    """The root and processes of the host-process workload this run replaces (sparkrun stops it
+    after preparation): what they hold does not refuse the capsule."""
+    from sparkrun_coldsnap.host.process_tree import tree_pids
+    from sparkrun_coldsnap.integration.records import registered_pid
+
+    if req.workload.launch.executor != "local":
+        return None, frozenset()
+    pid = registered_pid(req.workload_name)
+    return (pid, frozenset(tree_pids(pid))) if pid else (None, frozenset())
+
+
+def _stop_replaced(name: str) -> None:
+    """Stop the host-process workload this run replaces, now that the new one is staged.
+
+    sparkrun's eviction leaves a workload that keeps its name (the same recipe run again) to
+    its runtime's own launch, which removes it by name first; a strategy replaces that launch,
+    so the plugin does it here, after preparation and before the restore or start.
+    """
+    from sparkrun_coldsnap.host.process_tree import kill_tree
+    from sparkrun_coldsnap.integration.records import registered_pid
+
+    pid = registered_pid(name)
+    if pid is None:
+        return
+    _say("stopping the workload this run replaces (pid %d), now that the new one is staged" % pid)
+    kill_tree(pid, grace=10.0)
 
 
 def _register(name: str, pid: int) -> None:
     register_local(name, pid)
 
 
+def pull_step(context: Any, receipts: Mapping[str, Any]) -> dict[str, Any]:
+    """sparkrun's preparation step: the capsule, if it is not here, from the recipe's repository.
+
+    A capsule the repository lacks is left to ``prepare_activation``, which plans the vanilla
+    start (or the failure) the recipe asks for.
+    """
+    recipe = context.plan.recipe
+    block = block_of(recipe)
+    name = capsule_name_of(recipe, block)
+    try:
+        store = store_for_run(context.options, recipe)
+        store.resolve(name.ref)
+        return {"capsule": name.ref, "pulled": False}
+    except NotFoundError:
+        pass
+    except ColdsnapError as err:
+        raise RuntimeError(str(err)) from None
+    cache = getattr(context.options, "cache_dir", None) or str(context.sctx.config.hf_cache_dir)
+    try:
+        fetch_capsule(block, name, store, paths.hf_snapshot_dir(str(recipe.model), str(recipe.model_revision), cache))
+    except NotFoundError as err:
+        _say("no capsule %s in %s: %s" % (name.ref, block.capsule.repository, err))
+        return {"capsule": name.ref, "pulled": False}
+    except ColdsnapError as err:
+        raise RuntimeError(str(err)) from None
+    return {"capsule": name.ref, "pulled": True}
+
+
+def _complete(model_dir: Path, cap: Any) -> bool:
+    return bool(cap.config.weights.files) and all((model_dir / f.name).is_file() for f in cap.config.weights.files)
+
+
 def pull_capsule(block: ColdsnapBlock, req: RestoreRequest, store: CapsuleStore) -> None:
     """Bring a missing capsule (and, if missing too, its weights) from the recipe's repository, before eviction."""
+    model_path = req.workload.model.path
+    fetch_capsule(block, req.capsule, store, Path(model_path) if model_path else None)
+
+
+def fetch_capsule(block: ColdsnapBlock, capsule: CapsuleName, store: CapsuleStore, model_dir: Path | None) -> None:
+    """Pull *capsule* from the recipe's repository into *store*, with its model files into *model_dir*
+    when the capsule needs them outside its images or this host lacks them (sparkrun's own model
+    check wants them either way), and its native weight payload when the recipe may use it."""
     from sparkrun_coldsnap.capsule import transfer
     from sparkrun_coldsnap.capsule.reference import parse
     from sparkrun_coldsnap.capsule.registry import RegistryClient, Transport
 
     transport = Transport(plain_http=block.capsule.plain_http, ca_file=block.capsule.ca_file)
     ref = parse(block.capsule.repository or "", default_tag=None)
-    ref = ref if (ref.tag or ref.digest) else ref.with_tag(req.capsule.tag)
-    model_path = req.workload.model.path
+    ref = ref if (ref.tag or ref.digest) else ref.with_tag(capsule.tag)
+
+    def model_dir_of(cap: Any) -> Path:
+        return model_dir if model_dir is not None else paths.hf_snapshot_dir(cap.config.weights.model_id, cap.config.weights.revision)
+
+    def want_weights(cap: Any) -> bool:
+        needed = cap.config.weights.location == "external" or not _complete(model_dir_of(cap), cap)
+        return needed and block.capsule.pull_weights and bool(transfer.weights_subject(cap))
+
     # Not published, or not fetched: auto takes the recovery path, native is refused at admission.
     got = transfer.pull_with_companions(
-        RegistryClient(ref, transport), ref, store, local_ref=req.capsule.ref,
-        model_dir_of=lambda cap: Path(model_path) if model_path else paths.hf_snapshot_dir(cap.config.weights.model_id, cap.config.weights.revision),
-        want_weights=lambda cap: cap.config.weights.location == "external" and block.capsule.pull_weights and bool(transfer.weights_subject(cap)),
+        RegistryClient(ref, transport), ref, store, local_ref=capsule.ref, model_dir_of=model_dir_of, want_weights=want_weights,
         want_native=lambda cap: bool(cap.config.weights.native) and block.capsule.pull_native and block.weights in ("auto", "native"),
         native_optional=True, progress=Progress(),
     )  # fmt: skip
-    _say("pulled %s from %s" % (req.capsule.ref, ref))
+    _say("pulled %s from %s" % (capsule.ref, ref))
     if got.weight_files:
         _say("fetched %d model file(s) from the capsule's weights artifact" % got.weight_files)
     if got.native_files:
@@ -163,27 +264,50 @@ def pull_capsule(block: ColdsnapBlock, req: RestoreRequest, store: CapsuleStore)
         _say("native weight payload not fetched: %s" % got.native_error)
 
 
-def describe_plan(req: RestoreRequest, store: CapsuleStore) -> str:
-    """What ``sparkrun run`` would do, admission included (it only reads)."""
+@dataclasses.dataclass(frozen=True)
+class PlanView:
+    """What a run would do, in words, and the error it would end with (None: it would serve)."""
+
+    text: str
+    error: ColdsnapError | None = None
+
+
+def describe_plan(req: RestoreRequest, store: CapsuleStore, repository: str | None = None) -> PlanView:
+    """What ``sparkrun run`` would do, admission included (it only reads: nothing is pulled)."""
     from sparkrun_coldsnap.capsule.capsule import open_capsule
 
+    error: ColdsnapError | None = None
+    w = req.workload
+    if req.on_incompatible == "vanilla":
+        instead = "start the engine vanilla%s" % (" and capture it again" if req.recapture else "")
+    else:
+        instead = "fail (on_incompatible: fail)"
     try:
         cap = open_capsule(store, req.capsule.ref)
-        problems, choice = controller.check_admission(cap, req, controller.resolve(req.workload, settings_mod.current()))
+        problems, choice = controller.check_admission(cap, req, controller.resolve(w, settings_mod.current()))
+        head = "restore capsule %s (%s) from %s" % (req.capsule.ref, cap.digest[:19], store.root)
         if problems:
-            instead = "start vanilla%s" % (" and recapture" if req.recapture else "") if req.on_incompatible == "vanilla" else "fail"
-            verdict = "admission would refuse it: %s; then %s (on_incompatible: %s)" % ("; ".join(problems), instead, req.on_incompatible)
+            what = "refuse capsule %s (%s) at admission: %s; then %s" % (req.capsule.ref, cap.digest[:19], "; ".join(problems), instead)
+            if req.on_incompatible == "fail":
+                error = CompatibilityError("admission refused for capsule %s: %s" % (req.capsule.ref, "; ".join(problems)))
         else:
-            verdict = "admission passes"
-        if choice is not None and not problems:
-            verdict += "; weights by the %s path%s" % (choice.path, " (%s)" % choice.note if choice.note else "")
-        what = "restore capsule %s (%s) from %s; %s" % (req.capsule.ref, cap.digest[:19], store.root, verdict)
-    except NotFoundError:
-        what = "no capsule %s in %s: %s" % (req.capsule.ref, store.root, "start vanilla" if req.on_missing == "vanilla" else "fail")
+            weights = "; weights by the %s path%s" % (choice.path, " (%s)" % choice.note if choice.note else "") if choice is not None else ""
+            what = "%s: admission passes%s" % (head, weights)
+    except NotFoundError as err:
+        if repository:
+            what = "pull capsule %s from %s (it is not in %s yet), check it at admission and restore it; if the repository has none, %s" % (
+                req.capsule.ref, repository, store.root, "start the engine vanilla" if req.on_missing == "vanilla" else "fail (on_missing: fail)")  # fmt: skip
+        elif req.on_missing == "vanilla":
+            what = "start the engine vanilla: there is no capsule %s in %s" % (req.capsule.ref, store.root)
+        else:
+            what = "fail: there is no capsule %s in %s (on_missing: fail)" % (req.capsule.ref, store.root)
+            error = err
     except ColdsnapError as err:
-        what = "not restore: %s" % err
-    w = req.workload
-    return "dry run: would %s; engine %s, driver %s, port %d, workload %s; nothing was changed" % (what, w.engine, w.driver, w.launch.port, req.workload_name)
+        what, error = "fail: %s" % err, err
+    return PlanView(
+        "dry run: the run would %s. Engine %s, driver %s, port %d, workload %s; nothing was changed." % (what, w.engine, w.driver, w.launch.port, req.workload_name),
+        error,
+    )
 
 
 def _receipt_place(context: Any) -> tuple[Path | None, Path, str]:

@@ -62,6 +62,8 @@ class Launcher(ABC):
     executor: ClassVar[str]
     #: the receipt's name for the staging step of a restore.
     stage_phase: ClassVar[str] = "prepare.stage_unit"
+    #: what it runs units as, for people (capabilities).
+    summary: ClassVar[str] = ""
 
     @abstractmethod
     def engine_env(self, workload: Workload, engine_env: EngineEnv | None, base_env: Mapping[str, str]) -> dict[str, str]:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sparkrun_coldsnap.errors import CaptureError
+from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.launch import checkpoint_leftovers, docker
 from sparkrun_coldsnap.launch.base import Launcher, Progress, RunningUnit
 from sparkrun_coldsnap.launch.docker import ContainerSpec
@@ -25,6 +25,7 @@ def container_spec(workload: Workload, command: str, env: Mapping[str, str], lab
         raise CaptureError("the recipe runs in a container but names no image pinned by digest: set container:")
     return ContainerSpec(
         image=workload.launch.image.split("@", 1)[1],
+        image_name=workload.launch.image.split("@", 1)[0],
         command=command,
         env=dict(env),
         volumes=dict(workload.launch.volumes),
@@ -54,6 +55,7 @@ class StagedContainer:
 class Containers(Launcher):
     executor = "docker"
     stage_phase = "prepare.container"
+    summary = "Docker containers: captured with docker checkpoint, restored into a new container under sparkrun's name"
 
     def engine_env(self, workload: Workload, engine_env: EngineEnv | None, base_env: Mapping[str, str]) -> dict[str, str]:
         return dict(workload.launch.env)  # a container gets only the workload's
@@ -87,5 +89,5 @@ class Containers(Launcher):
         try:
             staged = StagedContainer(driver, driver.prepare_container(image, images, spec, temp))
         finally:
-            shutil.rmtree(staging, ignore_errors=True)  # the container holds its own copy now
+            paths.remove_staging(staging)  # the container holds its own copy now
         return staged

@@ -98,16 +98,16 @@ def daemon_running() -> bool:
 
 def check_checkpointing() -> None:
     """The daemon can checkpoint: experimental mode, a CRIU >= 4.2 on PATH for runc, runc's CRIU options."""
-    from sparkrun_coldsnap.drivers.criu_tool import Criu
+    from sparkrun_coldsnap.drivers import criu_tool
 
     problems = []
     if info().get("experimental") != "true":
         problems.append('dockerd is not in experimental mode (set {"experimental": true} in /etc/docker/daemon.json)')
-    criu = shutil.which("criu")
-    if not criu:
+    criu = criu_tool.for_runc()
+    if criu is None:
         problems.append("runc finds no criu on PATH")
-    elif Criu.locate().source != "system":
-        problems.append("the criu on PATH is not >= 4.2")
+    elif not criu.usable:
+        problems.append("the criu runc runs (%s) cannot be used: %s" % (criu.path, criu.problem))
     missing = missing_runc_options()
     if missing:
         problems.append("%s lacks %s" % (RUNC_CRIU_CONF, ", ".join(missing)))
@@ -139,6 +139,8 @@ class ContainerSpec:
     labels: Mapping[str, str] = field(default_factory=dict)
     #: GPU indices the container gets, as entries of its spec (gpu_container.py says why)
     gpus: tuple[str, ...] = ()
+    #: the name the recipe gave the image (``repo:tag``), recorded beside its id for people
+    image_name: str | None = None
 
     def create_args(self, name: str, *, auto_remove: bool = False, runtime: str | None = None) -> list[str]:
         """``docker create`` arguments; *auto_remove* as sparkrun's own launches (never for a
@@ -165,13 +167,15 @@ class ContainerSpec:
         doc = {"image": self.image, "command": self.command, "env": dict(self.env), "volumes": dict(self.volumes), "shm_size": self.shm_size}
         if self.gpus:
             doc["gpus"] = list(self.gpus)
+        if self.image_name:
+            doc["image_name"] = self.image_name
         return doc
 
     @classmethod
     def from_json(cls, doc: dict, *, labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None, volumes: Mapping[str, str] | None = None) -> ContainerSpec:
         return cls(
             doc["image"], doc["command"], dict(env if env is not None else doc["env"]), dict(volumes if volumes is not None else doc["volumes"]),
-            doc.get("shm_size", "32g"), dict(labels or {}), tuple(doc.get("gpus", ())),
+            doc.get("shm_size", "32g"), dict(labels or {}), tuple(doc.get("gpus", ())), doc.get("image_name"),
         )  # fmt: skip
 
 

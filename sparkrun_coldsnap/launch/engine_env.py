@@ -94,13 +94,48 @@ def _facts(python: str, pythonpath: str | None = None) -> EngineFacts:
     return EngineFacts(doc["python"], dict(sorted(doc["packages"].items())))
 
 
-def command_facts(command: str, env: dict[str, str]) -> EngineFacts | None:
-    """Facts of the interpreter a host-process command starts (``python -m ...``), with its PYTHONPATH."""
+def _interpreter(command: str) -> str | None:
     try:
         exe = shlex.split(command)[0]
     except (ValueError, IndexError):
         return None
-    if "python" not in os.path.basename(exe):
+    return exe if "python" in os.path.basename(exe) else None
+
+
+def image_facts(image: str, command: str) -> EngineFacts | None:
+    """Facts of the interpreter a container command starts, read inside *image* (``name@id``).
+
+    An image id names its content, so the answer is kept under ``run/image-facts`` and the
+    container (a second or two) runs once per image and interpreter.
+    """
+    from sparkrun_coldsnap.host.atomic import write_bytes
+
+    exe = _interpreter(command)
+    if exe is None:
+        return None
+    image_id = image.split("@", 1)[-1]
+    cache = paths.run_dir() / "image-facts" / ("%s-%s.json" % (image_id.split(":")[-1], sha256_bytes(exe.encode()).split(":")[-1][:12]))
+    try:
+        doc = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        try:
+            out = run(["docker", "run", "--rm", "--network=none", "--entrypoint", exe, image_id, "-c", _FACTS], timeout=180, check=False, what="engine facts in the image")
+        except Exception:  # noqa: BLE001 - without facts the image digest still pins the engine
+            return None
+        if out.returncode != 0:
+            return None
+        try:
+            doc = json.loads(out.stdout)
+        except ValueError:
+            return None
+        write_bytes(cache, json.dumps(doc).encode())
+    return EngineFacts(doc["python"], dict(sorted(doc["packages"].items())))
+
+
+def command_facts(command: str, env: dict[str, str]) -> EngineFacts | None:
+    """Facts of the interpreter a host-process command starts (``python -m ...``), with its PYTHONPATH."""
+    exe = _interpreter(command)
+    if exe is None:
         return None
     path = shutil.which(exe, path=env.get("PATH") or os.environ.get("PATH"))
     if not path:

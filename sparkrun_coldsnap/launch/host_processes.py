@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sparkrun_coldsnap.host import file_drift
+from sparkrun_coldsnap.host import file_drift, paths
 from sparkrun_coldsnap.host.file_drift import RecordedFile
 from sparkrun_coldsnap.host.process_tree import tree_pids
 from sparkrun_coldsnap.launch.base import Launcher, Progress, RunningUnit
@@ -29,11 +28,12 @@ class StagedTree:
     images: Path
     staging: Path
     warm: Any = None
+    port: int | None = None
     _handed_over: bool = False
 
     def activate(self, name: str, *, log_path: Path, progress: Progress) -> RunningUnit:
         warm, self.warm = self.warm, None
-        restored = self.driver.restore(self.image, self.images, log_path=log_path, progress=progress, owned_dir=self.staging, warm=warm)
+        restored = self.driver.restore(self.image, self.images, log_path=log_path, progress=progress, owned_dir=self.staging, warm=warm, port=self.port)
         # A driver still reading the images (memory on demand) removes them itself when done.
         self._handed_over = restored.images_handed_over
         return StartedUnit(restored.root_pid, None, log_path)
@@ -43,13 +43,14 @@ class StagedTree:
             self.warm.close()
             self.warm = None
         if not self._handed_over:
-            shutil.rmtree(self.staging, ignore_errors=True)
+            paths.remove_staging(self.staging)
             self._handed_over = True
 
 
 class HostProcesses(Launcher):
     executor = "local"
     stage_phase = "prepare.warm_up"
+    summary = "host processes: captured where they run, restored into PID, mount and network namespaces of their own"
 
     def engine_env(self, workload: Workload, engine_env: EngineEnv | None, base_env: Mapping[str, str]) -> dict[str, str]:
         # A host process inherits the plugin's environment, as sparkrun's local executor's would.
@@ -66,4 +67,4 @@ class HostProcesses(Launcher):
         return driver.checkpoint(unit.root_pid, images, unit=unit_def.name, host=unit_def.host, progress=progress)
 
     def stage(self, driver: SnapshotDriver, image: UnitImage, images: Path, *, staging: Path, request: RestoreRequest) -> StagedTree:
-        return StagedTree(driver, image, images, staging, warm=driver.warm_up(image))
+        return StagedTree(driver, image, images, staging, warm=driver.warm_up(image), port=request.workload.launch.port)

@@ -39,7 +39,7 @@ DAEMON_JSON = Path("/etc/docker/daemon.json")
 DOCKERD_PIDFILE = Path("/var/run/docker.pid")
 #: Where dockerd records the containerd it started.
 CONTAINERD_PIDFILE = Path("/var/run/docker/containerd/containerd.pid")
-CRIU_WRAPPER = Path("/usr/local/sbin/criu")
+CRIU_WRAPPER = criu_tool.WRAPPER
 ROOTFS_PACKAGES = ("python3", "python3-dev", "libnuma1", "g++", "procps", "ca-certificates")
 
 
@@ -101,15 +101,24 @@ def lazy_runtime_installed(log) -> bool:
 
 def criu_for_runc(log) -> None:
     """runc runs whatever ``criu`` is on PATH: make that a CRIU >= 4.2."""
-    system = [c for c in criu_tool.candidates() if c.source == "system"]
-    if system and system[0].usable:
-        return
+    first = criu_tool.for_runc()
+    if first is not None and first.usable and first.source != "wrapper":
+        return  # a CRIU that works is already there (the distribution's, or one installed by hand)
     private = criu_tool.private_argv()
     if private is None:
         raise ToolError("no CRIU >= 4.2 to give docker: run `sparkrun coldsnap setup --criu` first")
-    CRIU_WRAPPER.write_text("#!/bin/sh\n# CRIU 4.2 from the private prefix, for runc.\nexec %s \"$@\"\n" % " ".join('"%s"' % a for a in private))
-    CRIU_WRAPPER.chmod(0o755)
-    log("installed %s, running the private CRIU (runc calls criu from PATH)" % CRIU_WRAPPER)
+    text = criu_tool.wrapper_script(private)
+    if not (CRIU_WRAPPER.exists() and CRIU_WRAPPER.read_text() == text):
+        CRIU_WRAPPER.parent.mkdir(parents=True, exist_ok=True)
+        CRIU_WRAPPER.write_text(text)
+        CRIU_WRAPPER.chmod(0o755)
+        log("installed %s, running the private CRIU in %s (runc calls criu from PATH)" % (CRIU_WRAPPER, paths.criu_prefix()))
+    first = criu_tool.for_runc()
+    if first is None or Path(first.path) != CRIU_WRAPPER:
+        raise ToolError(
+            "runc would run %s, not %s: put %s before it on PATH (dockerd's too), then run setup --docker again"
+            % (first.path if first else "no criu", CRIU_WRAPPER, CRIU_WRAPPER.parent)
+        )
 
 
 def runc_options(log) -> None:

@@ -1,0 +1,110 @@
+"""Restore a host-process tree into PID, mount and network namespaces of its own.
+
+A tree captured in the host's namespaces needs, to come back there, its
+captured PIDs, its ``/dev/shm`` names and its port free on the host: the very
+things the workload being replaced, or a second restore of the same capsule,
+holds. Restored through :mod:`sparkrun_coldsnap.drivers.namespace_keeper` it
+gets them all in namespaces of its own, and the recipe's port is forwarded to
+the captured one. Nothing about namespaces is in the images: the same capsule
+restores either way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from sparkrun_coldsnap.documents import settings
+from sparkrun_coldsnap.drivers.base import Progress, UnitImage
+from sparkrun_coldsnap.drivers.criu_tool import Criu, how_it_ended, log_tail
+from sparkrun_coldsnap.drivers.criu_tree import BASE_FLAGS, RESTORE_LOG, TCP_FLAGS
+from sparkrun_coldsnap.errors import RestoreError
+from sparkrun_coldsnap.host import paths
+
+KEEPER = "sparkrun_coldsnap.drivers.namespace_keeper"
+
+
+def inner_port(unit: UnitImage, host_port: int | None) -> int | None:
+    """The captured port the recipe's *host_port* is forwarded to (None: no forwarding)."""
+    if host_port is None or host_port in unit.listening_ports or not unit.listening_ports:
+        return host_port
+    return unit.listening_ports[0]
+
+
+def restore(criu: Criu, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, host_port: int | None) -> tuple[int, int]:
+    """Restore *unit* in namespaces of its own; returns the host PIDs of its root and of its keeper.
+
+    With *host_port* the tree gets a network namespace too, and the keeper forwards that
+    port of the host to the captured one; without, it serves on the host's network.
+    """
+    pidfile = paths.run_dir() / ("restore-%d-%s.pid" % (os.getpid(), unit.name))
+    pidfile.parent.mkdir(parents=True, exist_ok=True)
+    pidfile.unlink(missing_ok=True)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    # The keeper adds ``restore -D``: it reaches the images through a descriptor.
+    args = ["-d", "-o", RESTORE_LOG, "--pidfile", str(pidfile), *BASE_FLAGS]
+    args += list(TCP_FLAGS if unit.tcp_established else ())
+    spec = {
+        "criu_argv": list(criu.argv),
+        "restore_args": args,
+        "env": settings.current().child_env(),
+        "images": str(images),
+        "pidfile": str(pidfile),
+        "log_path": str(log_path),
+        "log_resource": unit.log_resource,
+        "shared_files": [f.model_dump() for f in unit.shared_files],
+        "host_port": host_port,
+        "inner_port": inner_port(unit, host_port),
+    }
+    progress("criu restore in namespaces of its own" + (" (port %d)" % host_port if host_port else ""))
+    t = time.monotonic()
+    # The keeper's own complaints (it has no other voice once this process is gone) go to the unit's log.
+    with open(log_path, "ab") as log:
+        keeper = subprocess.Popen(
+            [sys.executable, "-m", KEEPER],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+            env=settings.current().child_env(), start_new_session=True, close_fds=True,
+        )  # fmt: skip
+    assert keeper.stdin is not None and keeper.stdout is not None
+    keeper.stdin.write(json.dumps(spec))
+    keeper.stdin.close()
+    line = keeper.stdout.readline()
+    keeper.stdout.close()
+    pidfile.unlink(missing_ok=True)
+    try:
+        said = json.loads(line)
+    except ValueError:
+        said = {"error": "the namespace keeper ended (exit %s)" % keeper.wait()}
+    if "root_pid" not in said:
+        keeper.wait()
+        words = said["error"].split()
+        if len(words) == 2 and words[0] == "criu" and words[1].lstrip("-").isdigit():
+            ended = "criu restore of unit %s in its own namespaces %s" % (unit.name, how_it_ended(int(words[1])))
+            raise RestoreError("%s (after %.1f s): %s" % (ended, time.monotonic() - t, log_tail(images / RESTORE_LOG)))
+        raise RestoreError("criu restore of unit %s in its own namespaces failed after %.1f s: %s" % (unit.name, time.monotonic() - t, said["error"].strip()))
+    # The keeper outlives this process (it forwards the port while the tree lives); nothing waits
+    # for it here, so do not leave a Popen that would warn about it.
+    keeper.returncode = 0
+    return int(said["root_pid"]), int(said["keeper_pid"])
+
+
+def keeper_of(root_pid: int) -> int | None:
+    """The keeper of a tree restored here (the parent of its namespace's init), if any."""
+    try:
+        init = psutil.Process(root_pid).parent()
+        keeper = init.parent() if init is not None else None
+    except psutil.Error:
+        return None
+    if keeper is None:
+        return None
+    try:
+        cmd = keeper.cmdline()
+    except psutil.Error:
+        return None
+    return keeper.pid if KEEPER in cmd else None

@@ -1,0 +1,73 @@
+"""What doctor and capabilities say about CRIU, Docker and the launch paths, against real files on PATH."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from sparkrun_coldsnap import doctor
+from sparkrun_coldsnap.cli import coldsnap_group
+from sparkrun_coldsnap.drivers import criu_tool
+
+
+def fake_criu(path: Path, version: str) -> Path:
+    """An executable that answers ``--version`` as CRIU does."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\necho 'Version: %s'\n" % version)
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture
+def path_with(tmp_path, monkeypatch):
+    """PATH made of the given directories only (plus /bin and /usr/bin for sh and echo)."""
+
+    def use(*dirs: Path) -> None:
+        monkeypatch.setenv("PATH", os.pathsep.join([*map(str, dirs), "/usr/bin", "/bin"]))
+        monkeypatch.setattr(criu_tool, "DPKG_LIST", tmp_path / "criu.list")
+
+    return use
+
+
+def test_the_runc_wrapper_is_recognized_and_never_taken_for_the_distributions_criu(tmp_path, path_with):
+    private = fake_criu(tmp_path / "home" / "criu" / "usr" / "sbin" / "criu", "4.2.1")
+    old = fake_criu(tmp_path / "usr-sbin" / "criu", "3.17.1")
+    (tmp_path / "criu.list").write_text("%s\n" % old)
+    wrapper = tmp_path / "local-sbin" / "criu"
+    wrapper.parent.mkdir()
+    wrapper.write_text(criu_tool.wrapper_script([str(private)]))
+    wrapper.chmod(0o755)
+    path_with(wrapper.parent, old.parent)
+
+    first = criu_tool.for_runc()
+    assert first is not None and first.source == "wrapper" and first.argv == (str(private),) and first.usable
+    by_source = {c.source: c for c in criu_tool.candidates()}
+    assert by_source["distribution"].path == str(old) and not by_source["distribution"].usable
+    assert "system" not in by_source  # the wrapper is not "the system criu"
+
+
+def test_doctor_says_which_private_criu_the_wrapper_runs_and_whose(tmp_path, path_with, use_settings):
+    other_home = fake_criu(tmp_path / "other-home" / "criu" / "usr" / "sbin" / "criu", "4.2.1")
+    wrapper = tmp_path / "local-sbin" / "criu"
+    wrapper.parent.mkdir()
+    wrapper.write_text(criu_tool.wrapper_script([str(other_home)]))
+    wrapper.chmod(0o755)
+    path_with(wrapper.parent)
+    use_settings(home=tmp_path / "this-home")  # this home has no private CRIU
+
+    checks = {c.name: c for c in doctor._criu()}
+    w = checks["criu (runc wrapper)"]
+    assert w.status == "warn" and "it runs the private criu 4.2.1 at %s" % other_home in w.detail and "another home directory" in w.detail
+    assert checks["criu (distribution)"].detail.startswith("no criu package installed")
+
+
+def test_capabilities_has_a_row_per_launch_path_and_no_empty_weights_value(tmp_path):
+    result = CliRunner().invoke(coldsnap_group, ["capabilities"], catch_exceptions=False)
+    assert result.exit_code == 0
+    lines = result.output.splitlines()
+    sglang = next(l for l in lines if l.startswith("engine sglang"))
+    assert "weights cpu: not supported" in sglang and "cpu: ," not in sglang
+    assert any(l.startswith("launch local ") for l in lines) and any(l.startswith("launch docker ") for l in lines)
