@@ -1,15 +1,48 @@
-"""Two hosts made of network namespaces, each with its own sshd: the fixture itself.
+"""Two hosts made of network namespaces, and sparkrun's own transport reaching each of them.
 
-The hosts are apart and reach each other, sparkrun's cluster of them is its own, and the
-fixture leaves no namespace, link or process behind.
+The plugin never opens SSH itself (integration/transport.py asks sparkrun for the cluster's
+session); these tests drive that session against two real sshds, with keys checked both
+ways, and check that the fixture leaves no namespace, link or process behind.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
+import sys
+import textwrap
 
+import pytest
 from two_hosts import TwoHosts, sparkrun_config_path
+
+from sparkrun_coldsnap.errors import ToolError
+from sparkrun_coldsnap.integration.transport import ClusterHosts
+
+# Run in a process of its own: sparkrun binds its config to the HOME it first sees.
+PROBE = textwrap.dedent(
+    """
+    import hashlib, json, sys
+    from pathlib import Path
+    from sparkrun_coldsnap.errors import ToolError
+    from sparkrun_coldsnap.integration.transport import open_cluster
+
+    payload, homes = Path(sys.argv[1]), json.loads(sys.argv[2])
+    out = {}
+    with open_cluster("two-node") as hosts:
+        for host in hosts.hosts:
+            seen = hosts.run(host, ["sh", "-c", 'echo "$SSH_CONNECTION"; echo "$HOME"; ip -4 -o addr show dev eth0'])
+            dest = homes[host] + "/uploaded.bin"
+            hosts.upload(host, [str(payload)], dest)
+            digest = hosts.run(host, ["sha256sum", dest]).stdout.split()[0]
+            try:
+                hosts.run(host, ["sh", "-c", "echo failing >&2; exit 3"])
+                failed = None
+            except ToolError as err:
+                failed = err.message
+            out[host] = {"lines": seen.stdout.splitlines(), "digest": digest, "failed": failed}
+    print(json.dumps({"hosts": list(hosts.hosts), "by_host": out, "sent": hashlib.sha256(payload.read_bytes()).hexdigest()}))
+    """
+)
 
 
 def test_each_host_has_its_own_address_and_reaches_the_other(two_hosts):
@@ -25,11 +58,42 @@ def test_each_host_has_its_own_address_and_reaches_the_other(two_hosts):
         assert "default" not in host.netns_exec("ip", "route", "show").stdout
 
 
+def test_sparkrun_transport_runs_commands_and_uploads_on_each_host(two_node, sparkrun, tmp_path):
+    payload = tmp_path / "payload.bin"
+    payload.write_bytes(bytes(range(256)) * 64)
+    homes = {h.address: str(h.home) for h in two_node.hosts}
+    cp = subprocess.run([sys.executable, "-c", PROBE, str(payload), json.dumps(homes)], env=sparkrun.env, capture_output=True, text=True, timeout=120)
+    assert cp.returncode == 0, cp.stderr[-3000:]
+    out = json.loads(cp.stdout.splitlines()[-1])
+    assert out["hosts"] == two_node.addresses  # rank order: the head first
+    for host in two_node.hosts:
+        seen = out["by_host"][host.address]
+        connection, home, eth0 = seen["lines"]
+        # sshd of that host answered: the client is this machine, the server that host's address.
+        assert connection.split()[0] == two_node.control_address and connection.split()[2] == host.address
+        assert home == str(host.home) and host.address in eth0
+        assert seen["digest"] == out["sent"] and (host.home / "uploaded.bin").read_bytes() == payload.read_bytes()
+        assert seen["failed"] == "on host %s: sh failed (exit 3): failing" % host.address
+        assert host.log is not None and host.log.read_text().count("Accepted publickey for root from %s" % two_node.control_address) >= 4
+
+
 def test_the_cluster_is_sparkruns_own(two_node, sparkrun):
     shown = json.loads(sparkrun("cluster", "show", "two-node", "--json").stdout)
     assert shown["hosts"] == two_node.addresses and shown["user"] == "root"
     config = sparkrun_config_path(sparkrun.home).read_text()
     assert str(two_node.client_key) in config and "StrictHostKeyChecking=yes" in config
+
+
+def test_a_session_acts_only_on_its_cluster_hosts():
+    class Refusing:
+        def execute(self, *a, **k):
+            raise AssertionError("the session must not be reached")
+
+        def close(self):
+            pass
+
+    with ClusterHosts(("198.18.0.1", "198.18.0.2"), Refusing(), cluster="two-node") as hosts, pytest.raises(ToolError, match="not one of cluster 'two-node'"):
+        hosts.run("198.18.0.3", ["true"])
 
 
 def test_teardown_leaves_no_namespace_link_process_or_key():
