@@ -12,7 +12,7 @@ from sparkrun_coldsnap.documents.request import CaptureRequest, RestoreRequest, 
 from sparkrun_coldsnap.documents.settings import Settings
 from sparkrun_coldsnap.drivers.base import SnapshotDriver
 from sparkrun_coldsnap.engines.base import Endpoint, EngineAdapter
-from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, describe_cleanup_failure
+from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, RequestError, describe_cleanup_failure
 from sparkrun_coldsnap.launch.base import Launcher, RunningUnit
 from sparkrun_coldsnap.launch.engine_env import EngineEnv, EngineFacts, command_facts
 from sparkrun_coldsnap.launch.units import launcher_for
@@ -36,6 +36,17 @@ class Resolved:
         from sparkrun_coldsnap.compat.admission import fingerprint
 
         return fingerprint(workload, self.adapter, self.driver, self.facts, tool_version=tool_version, container_runtime=self.launcher.runtime_summary())
+
+
+def require_one_unit(workload: Workload, operation: Literal["capture", "restore"]) -> None:
+    """Refuse, in one line, a workload placed as several launch units (one per host)."""
+    units = workload.topology.units
+    if len(units) != 1:
+        placed = ", ".join("%s on %s" % (u.name, u.host) for u in units)
+        raise RequestError(
+            "multi-host %s is not available yet: the recipe places %d launch units (%s); %s it on one host (-H HOST)" % (operation, len(units), placed, operation),
+            code="request.multi_host",
+        )
 
 
 def resolve(workload: Workload, settings: Settings) -> Resolved:
