@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
+from conftest import ROOT
 from two_hosts import TwoHosts, sparkrun_config_path
 
 from sparkrun_coldsnap.errors import ToolError
@@ -121,3 +124,21 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[-1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_what_a_killed_run_left_is_removed_by_the_next(tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text("import sys, time\nsys.path.insert(0, %r)\nfrom two_hosts import TwoHosts\nh = TwoHosts().__enter__()\nprint(h.tag, flush=True)\ntime.sleep(600)\n" % str(ROOT / "tests"))
+    killed = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    assert killed.stdout is not None
+    tag = killed.stdout.readline().strip()
+    left = [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split() if tag in ns]
+    sshds = [int(p) for ns in left for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()]
+    killed.kill()
+    killed.wait()
+    assert len(left) == 3 and len(sshds) == 2
+    with TwoHosts():
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert tag not in listed
+        assert not any(_alive(pid) for pid in sshds)
+        assert not list(Path(tempfile.gettempdir()).glob("coldsnap-two-hosts-%s-*" % tag))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import pwd
+import re
 import secrets
 import shutil
 import signal
@@ -104,16 +105,19 @@ class TwoHosts:
     as ``user`` with the hosts' keys checked.
     """
 
-    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="coldsnap-two-hosts-")))
     user: str = "root"
     shared_env: dict[str, str] = field(default_factory=dict)
     hosts: list[Host] = field(default_factory=list)
     subnet: ipaddress.IPv4Network | None = None
     tag: str = field(default_factory=lambda: secrets.token_hex(3))
+    workdir: Path = field(init=False)
     setup_seconds: float = 0.0
     teardown_seconds: float = 0.0
     _created_privsep_dir: bool = False
     _created: list[str] = field(default_factory=list)  # namespaces, in creation order
+
+    def __post_init__(self) -> None:
+        self.workdir = Path(tempfile.mkdtemp(prefix="coldsnap-two-hosts-%s-" % self.tag))
 
     @property
     def addresses(self) -> list[str]:
@@ -142,12 +146,14 @@ class TwoHosts:
         ]  # fmt: skip
 
     def _ns(self, suffix: str) -> str:
-        return "coldsnap-%s-%s" % (self.tag, suffix)
+        # The owner's PID in the name lets a later run remove what a killed one left.
+        return "coldsnap-%d-%s-%s" % (os.getpid(), self.tag, suffix)
 
     # -- set-up --------------------------------------------------------------------------------
 
     def __enter__(self) -> TwoHosts:
         t0 = time.monotonic()
+        remove_leftovers()
         try:
             self._network()
             self._keys()
@@ -335,6 +341,33 @@ def _kill_namespace_processes(ns: str, timeout: float = 10) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError("processes %s in namespace %s outlived SIGKILL" % (pids, ns))
         time.sleep(0.1)
+
+
+_LEFTOVER_RE = re.compile(r"^coldsnap-(\d+)-([0-9a-f]{6})-(a|b|sw)$")
+
+
+def remove_leftovers() -> list[str]:
+    """Remove the namespaces, processes and links of runs whose process is gone (killed before
+    its teardown); returns the namespaces removed. Another live run's hosts are left alone."""
+    removed = []
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        m = _LEFTOVER_RE.match(name)
+        if not m or Path("/proc/%s" % m.group(1)).exists():
+            continue
+        _kill_namespace_processes(name)
+        _ip("netns", "delete", name, check=False)
+        _ip("link", "delete", "cs%s" % m.group(2), check=False)
+        for workdir in Path(tempfile.gettempdir()).glob("coldsnap-two-hosts-%s-*" % m.group(2)):
+            shutil.rmtree(workdir, ignore_errors=True)
+        removed.append(name)
+    live = [l for l in _ip("netns", "list", check=False).stdout.splitlines() if _LEFTOVER_RE.match(l.split()[0] if l.split() else "")]
+    if removed and not live and not Path("/usr/sbin/sshd").exists():
+        try:
+            PRIVSEP_DIR.rmdir()  # made by the killed run: without a system sshd, nothing else uses it
+        except OSError:
+            pass
+    return removed
 
 
 def sparkrun_config_path(home: Path) -> Path:
