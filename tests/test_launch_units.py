@@ -3,8 +3,9 @@
 The recipe, the ``vllm-distributed`` runtime that renders each host's command, the rank
 placement, the probed hardware and the communication environment are sparkrun 0.4.2's real
 classes; only the activation context that carries them is assembled here: sparkrun builds it
-inside ``sparkrun run``, and 0.4.2 refuses to get there for a multi-host run on CPU hosts (the
-last test, on the two hosts of tests/two_hosts.py, pins that).
+inside ``sparkrun run``, which reaches the plugin for a multi-host run on CPU hosts once the
+plugin's platform gives them a collective backend (the last test, on the two hosts of
+tests/two_hosts.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from sparkrun.runtimes.vllm_ray import VllmRayRuntime
 from sparkrun_coldsnap import api
 from sparkrun_coldsnap.documents.request import CapsuleName, CaptureRequest, Launch, ModelRef, RestoreRequest, Topology, ValidationSpec, Workload
 from sparkrun_coldsnap.errors import RequestError
+from sparkrun_coldsnap.integration import cpu_platform
 from sparkrun_coldsnap.integration.launch_units import env_delta, node_commands, units_of
 
 HOSTS = ("198.18.0.1", "198.18.0.2")
@@ -129,14 +131,29 @@ def test_capture_and_restore_refuse_several_units_in_one_line(tmp_path):
     assert "\n" not in err.value.message
 
 
-def test_sparkrun_refuses_a_multi_host_run_on_cpu_hosts_before_the_plugin_sees_it(two_node, sparkrun, tmp_path, store):
-    """sparkrun 0.4.2 picks a collective backend (NCCL, RCCL, HCCL) by accelerator vendor for any
-    launch of more than one rank, and has none for the CPU slot the plugin's probe adds."""
+def test_sparkrun_picks_gloo_for_hosts_with_the_cpu_slot():
+    """The plugin's platform claims the CPU slot, so sparkrun's own selection finds a collective."""
+    from sparkrun.core.backend_select import select_backends, validate_collective_backends
+
+    cpu_platform.register()
+    bundle = select_backends(CPU)
+    assert (bundle.accelerator_vendor, bundle.collective.name) == ("cpu", "gloo")
+    validate_collective_backends({h: bundle for h in HOSTS})
+    assert bundle.collective.env_for_host({"IB_DETECTED": "0"}) == {}
+    assert bundle.collective.env_for_host({"DETECTED_SOCKET_IFNAME": "eth0", "DETECTED_MGMT_IP": "198.18.0.1"}) == {"GLOO_SOCKET_IFNAME": "eth0", "NODE_IP": "198.18.0.1"}
+
+
+def test_sparkrun_places_a_multi_host_cpu_run_and_the_plugin_makes_one_unit_per_host(two_node, sparkrun, tmp_path, store):
+    """sparkrun 0.4.2 picks a collective backend for any launch of more than one rank; with the
+    plugin's gloo platform it has one for the CPU slot, and its placement reaches the plugin."""
     recipe = write_recipe(
         tmp_path,
         name="two-hosts.yaml",
         replace={"runtime: vllm\n": "runtime: vllm-distributed\n", "--dtype {dtype}": "--dtype {dtype} --tensor-parallel-size {tensor_parallel}"},
     )
-    cp = sparkrun.coldsnap("capture", str(recipe), "--cluster", "two-node", "-o", "tensor_parallel=2", "--store", str(store), "--dry-run", check=False)
-    assert cp.returncode != 0
-    assert "No backend matches host hardware. Detected: cpu/cpu. Known vendors: nvidia, amd, intel." in cp.stderr + cp.stdout
+    cp = sparkrun.coldsnap("capture", str(recipe), "--cluster", "two-node", "-o", "tensor_parallel=2", "--store", str(store), "--dry-run")
+    request = json.loads(cp.stdout[cp.stdout.index("{\n") :])
+    units = request["workload"]["topology"]["units"]
+    assert [(u["name"], u["host"]) for u in units] == [("rank-0", two_node.addresses[0]), ("rank-1", two_node.addresses[1])]
+    assert "--node-rank 0 --master-addr %s" % two_node.addresses[0] in units[0]["command"] and "--headless" not in units[0]["command"]
+    assert units[1]["command"].endswith("--node-rank 1 --master-addr %s --master-port 25000 --headless" % two_node.addresses[0])
