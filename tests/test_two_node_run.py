@@ -51,7 +51,10 @@ def chat(address: str) -> str:
 
 
 @pytest.mark.xfail(
-    reason="sparkrun places and launches both ranks, but the head rank is not alive when sparkrun first checks it on the test hosts (liveness rc 1); the cause is not found yet",
+    reason=(
+        "sparkrun places both ranks and launches them with the local executor, but its first liveness check of the head rank "
+        "fails (rc 1) with the rank's log still empty, then it looks for a docker container of that name; the cause is not found yet"
+    ),
     strict=False,
 )
 def test_sparkrun_runs_both_ranks_answers_through_rank_0_and_stops_both(two_node, sparkrun, tmp_path):
