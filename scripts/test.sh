@@ -12,6 +12,8 @@ if ! command -v docker-registry >/dev/null 2>&1 || ! command -v openssl >/dev/nu
   # upgraded under a capsule makes its restores refuse).
   apt-get install -y -q --no-upgrade docker-registry openssl >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q --no-upgrade docker-registry openssl >/dev/null; }
 fi
+# An sshd for the two-host tests (each network namespace runs its own).
+bash scripts/test-sshd.sh >/dev/null
 export SPARKRUN_NO_TELEMETRY=1 HF_HUB_OFFLINE=1
 # Docker for the container tests: dockerd (experimental, CRIU for runc) and the CPU engine's image.
 .venv/bin/sparkrun-coldsnap setup --docker

@@ -112,6 +112,7 @@ def prepare(
     A missing capsule follows the request's ``on_missing``, a refused one its
     ``on_incompatible``: ``fail`` raises, ``vanilla`` plans a vanilla start.
     """
+    controller.require_one_unit(request.workload, "restore")  # before a missing capsule plans a vanilla start
     s = _store(store)
     settings = settings or settings_mod.current()
     try:

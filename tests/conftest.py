@@ -145,3 +145,24 @@ def require_engine() -> None:
         missing.append("the tiny model")
     if missing:
         pytest.fail("%s missing under %s: run `bash scripts/setup.sh` first" % (" and ".join(missing), coldsnap_home()))
+
+
+@pytest.fixture(scope="session")
+def two_hosts():
+    """Two hosts made of network namespaces, each with its own sshd (tests/two_hosts.py).
+
+    Sessions on them see the model cache and the plugin's engines where this machine has
+    them, as a cluster with a shared filesystem would.
+    """
+    from two_hosts import TwoHosts
+
+    with TwoHosts(shared_env={"HF_HOME": str(hf_home()), "COLDSNAP_HOME": str(coldsnap_home())}) as hosts:
+        yield hosts
+
+
+@pytest.fixture
+def two_node(two_hosts, sparkrun):
+    """sparkrun's cluster ``two-node`` of the two hosts, in this test's sparkrun home."""
+    two_hosts.configure_sparkrun(sparkrun, "two-node")
+    yield two_hosts
+    sparkrun("cluster", "delete", "two-node", "--force")

@@ -7,7 +7,7 @@ written against interfaces: an engine adapter, a snapshot driver, a launcher.
 """
 
 from sparkrun_coldsnap.controller.capture import CaptureOutcome, capture
-from sparkrun_coldsnap.controller.common import Resolved, ServingOutcome, resolve
+from sparkrun_coldsnap.controller.common import Resolved, ServingOutcome, require_one_unit, resolve
 from sparkrun_coldsnap.controller.restore import PreparedRestore, activate_restore, check_admission, prepare_restore
 from sparkrun_coldsnap.controller.vanilla import start_vanilla
 
@@ -20,6 +20,7 @@ __all__ = [
     "capture",
     "check_admission",
     "prepare_restore",
+    "require_one_unit",
     "resolve",
     "start_vanilla",
 ]

@@ -14,7 +14,7 @@ from sparkrun_coldsnap.capsule.config import CapsuleConfig, CapturedValidation, 
 from sparkrun_coldsnap.capsule.pack import pack_unit
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.compat import pinning
-from sparkrun_coldsnap.controller.common import Attempt, Resolved, finish, resolve, validate, wait_ready
+from sparkrun_coldsnap.controller.common import Attempt, Resolved, finish, require_one_unit, resolve, validate, wait_ready
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder, Validation
 from sparkrun_coldsnap.documents.request import CaptureRequest, LaunchUnit
@@ -65,6 +65,7 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, settings: Settings | No
     w = req.workload
     with settings_mod.using(settings), Attempt(rb) as attempt:
         with rb.phase("admission"):
+            require_one_unit(w, "capture")
             # What a capture killed outright left (its engine on the port, io_uring off) is undone first.
             recovered = leftovers.recover()
             if recovered.stopped:
@@ -76,8 +77,6 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, settings: Settings | No
             holder = port_holder(w.launch.port)
             if holder:
                 raise CaptureError("port %d is in use by %s: stop that workload (sparkrun stop) or capture on another port" % (w.launch.port, holder))
-            if len(w.topology.units) != 1:
-                raise CaptureError("this capture path handles one launch unit on the local host; the recipe places %d" % len(w.topology.units))
             r.launcher.check_capturable()
             pin_problem = pinning.launch_problem(w, r.adapter)
             if pin_problem:

@@ -38,6 +38,17 @@ class Resolved:
         return fingerprint(workload, self.adapter, self.driver, self.facts, tool_version=tool_version, container_runtime=self.launcher.runtime_summary())
 
 
+def require_one_unit(workload: Workload, operation: Literal["capture", "restore"]) -> None:
+    """Refuse, in one line, a workload placed as several launch units (one per host)."""
+    units = workload.topology.units
+    if len(units) != 1:
+        placed = ", ".join("%s on %s" % (u.name, u.host) for u in units)
+        raise RequestError(
+            "multi-host %s is not available yet: the recipe places %d launch units (%s); %s it on one host (-H HOST)" % (operation, len(units), placed, operation),
+            code="request.multi_host",
+        )
+
+
 def resolve(workload: Workload, settings: Settings) -> Resolved:
     reg = extensions.registry()
     adapter = reg.engine(workload.engine)

@@ -13,7 +13,7 @@ from sparkrun_coldsnap.capsule.capsule import Capsule
 from sparkrun_coldsnap.capsule.pack import unpack_layer
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.compat.admission import admission
-from sparkrun_coldsnap.controller.common import Attempt, Resolved, ServingOutcome, finish, resolve, validate
+from sparkrun_coldsnap.controller.common import Attempt, Resolved, ServingOutcome, finish, require_one_unit, resolve, validate
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder, Weights
 from sparkrun_coldsnap.documents.request import RestoreRequest
@@ -89,6 +89,7 @@ def prepare_restore(
             cap = capsule_mod.open_capsule(store, req.capsule.ref)
             rb.capsule = cap.digest
         with rb.phase("prepare.admission"):
+            require_one_unit(req.workload, "restore")
             r = resolve(req.workload, settings)
             if cap.config.driver != r.driver.name:
                 raise CompatibilityError("capsule %s was captured with driver %s, the recipe asks for %s" % (req.capsule.ref, cap.config.driver, r.driver.name))

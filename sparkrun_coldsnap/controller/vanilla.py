@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from sparkrun_coldsnap.controller.common import Attempt, ServingOutcome, finish, resolve, validate, wait_ready
+from sparkrun_coldsnap.controller.common import Attempt, ServingOutcome, finish, require_one_unit, resolve, validate, wait_ready
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder
 from sparkrun_coldsnap.documents.request import RestoreRequest
@@ -28,6 +28,7 @@ def start_vanilla(
     w = req.workload
     rb.secrets = req.workload.secret_values()
     with settings_mod.using(settings), Attempt(rb) as attempt:
+        require_one_unit(w, "restore")
         r = resolve(w, settings)
         holder = port_holder(w.launch.port)
         if holder:

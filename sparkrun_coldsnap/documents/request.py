@@ -58,8 +58,10 @@ class LaunchUnit(Strict):
 
     name: str = Field(description="Unit name, e.g. 'solo' or 'rank-0'.")
     host: str = Field(description="Host the unit runs on.")
-    rank: int = Field(0, ge=0)
+    rank: int = Field(0, ge=0, description="The unit's node rank: its place in the host order sparkrun placed (0 is the head).")
     devices: tuple[str, ...] = Field((), description="Accelerator indices the unit sees; empty on CPU.")
+    command: str | None = Field(None, description="This unit's serve command, where units differ (a distributed engine's node rank, master address, --headless); none: launch.command.")
+    env: dict[str, str] = Field(default_factory=dict, description="What this unit's environment adds to or changes in launch.env (its host's address and interfaces).")
 
 
 class Topology(Strict):
@@ -102,11 +104,17 @@ class Workload(Strict):
     def redacted(self) -> Workload:
         """This workload with credential-like env values replaced by their digest: what may be stored."""
         launch = self.launch.model_copy(update={"env": redact_env(self.launch.env), "command": secrets.redact_command(self.launch.command)})
-        return self.model_copy(update={"launch": launch})
+        units = tuple(u.model_copy(update={"env": redact_env(u.env), "command": None if u.command is None else secrets.redact_command(u.command)}) for u in self.topology.units)
+        return self.model_copy(update={"launch": launch, "topology": self.topology.model_copy(update={"units": units})})
 
     def secret_values(self) -> tuple[str, ...]:
         """The secrets this workload carries, for scrubbing free text (errors quoting a log line)."""
-        return secrets.values_in(self.launch.env, [self.launch.command])
+        env = {**self.launch.env}
+        commands = [self.launch.command]
+        for u in self.topology.units:
+            env.update({"%s@%s" % (k, u.name): v for k, v in u.env.items()})
+            commands += [u.command] if u.command is not None else []
+        return secrets.values_in(env, commands)
 
 
 class ValidationSpec(Strict):

@@ -24,7 +24,6 @@ from sparkrun_coldsnap.documents.request import (
     CapsuleName,
     CaptureRequest,
     Launch,
-    LaunchUnit,
     ModelRef,
     RestoreRequest,
     Topology,
@@ -34,6 +33,7 @@ from sparkrun_coldsnap.documents.request import (
 from sparkrun_coldsnap.documents.strict import one_line
 from sparkrun_coldsnap.errors import RequestError
 from sparkrun_coldsnap.host import paths
+from sparkrun_coldsnap.integration.launch_units import units_of
 from sparkrun_coldsnap.integration.recipe_item import block_of, source_of
 
 # Per-run options our own CLI passes through sparkrun's RunOptions.strategy_options.
@@ -67,9 +67,10 @@ def launch_env_of(actx: Any) -> dict[str, str]:
 
     plan = actx.execution.plan
     runtime, recipe = plan.runtime, plan.recipe
+    hosts = tuple(actx.hosts)
     env = compose_launch_env(
         runtime_common=runtime.get_common_env(),
-        runtime_mode=runtime.get_solo_env(),
+        runtime_mode=runtime.get_solo_env() if len(hosts) == 1 else runtime.get_cluster_env(head_ip=hosts[0], num_nodes=len(hosts)),
         recipe={str(k): str(v) for k, v in (getattr(recipe, "env", None) or {}).items()},
         runtime_extra=runtime.get_extra_env(),
     )
@@ -101,10 +102,10 @@ def _workload_of(actx: Any, block: ColdsnapBlock) -> Workload:
     model_dir = str(paths.hf_snapshot_dir(recipe.model, revision, actx.effective_cache_dir))
     executor = executor_name(actx)
     hosts = tuple(actx.hosts)
-    units = tuple(LaunchUnit(name="solo" if len(hosts) == 1 else "rank-%d" % i, host=h, rank=i) for i, h in enumerate(hosts))
     settings = {**(getattr(recipe, "defaults", None) or {}), **(actx.execution.options.overrides or {})}
     container = executor != "local"
     cache_volumes, cache_env = runtime_cache_of(actx) if container else ({}, {})
+    env = {**launch_env_of(actx), **cache_env}
     return Workload(
         recipe=str(getattr(recipe, "name", "") or Path(source_of(recipe)).stem),
         engine=engine,
@@ -114,12 +115,12 @@ def _workload_of(actx: Any, block: ColdsnapBlock) -> Workload:
             hosts=hosts,
             tensor_parallel=int(settings.get("tensor_parallel") or 1),
             pipeline_parallel=int(settings.get("pipeline_parallel") or 1),
-            units=units,
+            units=units_of(actx, env),
         ),
         launch=Launch(
             executor="local" if executor == "local" else "docker",
             command=actx.serve_command,
-            env={**launch_env_of(actx), **cache_env},
+            env=env,
             port=int(actx.serve_port),
             engine_env=None if container else block.engine_env,
             image=pinned_image(actx.container_image) if container else None,

@@ -3,7 +3,8 @@
 sparkrun 0.4.2 finds installed plugins through that entry-point group, keeps them
 disabled until enabled, then calls :func:`register` once. What is registered: the
 ``coldsnap:`` recipe item with its execution strategy, the hardware probe for hosts
-without a GPU, and the ``sparkrun coldsnap`` command group.
+without a GPU, the platform that gives those hosts a collective backend (gloo), and the
+``sparkrun coldsnap`` command group.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ def register(v: Any) -> None:
     """Called by sparkrun once the plugin is enabled."""
     from sparkrun.plugins import register_cli_command, register_hardware_probe, register_recipe_item
 
+    from sparkrun_coldsnap.integration import cpu_platform
     from sparkrun_coldsnap.integration.probe import PROBE_SCRIPT, add_cpu_accelerator
     from sparkrun_coldsnap.integration.recipe_item import KEY, OWNER, RecipeItem
     from sparkrun_coldsnap.integration.strategy import Strategy
 
     register_recipe_item(KEY, RecipeItem(), owner=OWNER, execution_strategy=Strategy())
     register_hardware_probe(OWNER, script=PROBE_SCRIPT, enrich=add_cpu_accelerator)
+    cpu_platform.register()
     register_cli_command(_cli_loader, name=KEY)

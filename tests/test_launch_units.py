@@ -1,0 +1,159 @@
+"""sparkrun's placement of a multi-host run turned into launch units, against sparkrun's own parts.
+
+The recipe, the ``vllm-distributed`` runtime that renders each host's command, the rank
+placement, the probed hardware and the communication environment are sparkrun 0.4.2's real
+classes; only the activation context that carries them is assembled here: sparkrun builds it
+inside ``sparkrun run``, which reaches the plugin for a multi-host run on CPU hosts once the
+plugin's platform gives them a collective backend (the last test, on the two hosts of
+tests/two_hosts.py).
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import jsonschema
+import pytest
+from conftest import ROOT, write_recipe
+from sparkrun.core.hardware import AcceleratorSpec, HostHardware
+from sparkrun.core.recipe import Recipe
+from sparkrun.core.scheduler import RankAssignment, RankSlot
+from sparkrun.orchestration.comm_env import ClusterCommEnv
+from sparkrun.runtimes.vllm_distributed import VllmDistributedRuntime
+from sparkrun.runtimes.vllm_ray import VllmRayRuntime
+
+from sparkrun_coldsnap import api
+from sparkrun_coldsnap.documents.request import CapsuleName, CaptureRequest, Launch, ModelRef, RestoreRequest, Topology, ValidationSpec, Workload
+from sparkrun_coldsnap.errors import RequestError
+from sparkrun_coldsnap.integration import cpu_platform
+from sparkrun_coldsnap.integration.launch_units import env_delta, node_commands, units_of
+
+HOSTS = ("198.18.0.1", "198.18.0.2")
+COMMON = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "NCCL_CUMEM_ENABLE": "0"}
+CPU = HostHardware(accelerators=[AcceleratorSpec(vendor="cpu", model="cpu", capabilities=frozenset({"cpu"}))])
+
+
+def distributed_recipe(tmp_path) -> Recipe:
+    path = write_recipe(
+        tmp_path,
+        name="two-hosts.yaml",
+        replace={"runtime: vllm\n": "runtime: vllm-distributed\n", "--dtype {dtype}": "--dtype {dtype} --tensor-parallel-size {tensor_parallel}"},
+    )
+    return Recipe.load(path)
+
+
+def activation(tmp_path, *, hosts=HOSTS, runtime=None, ranks_per_host=1, hardware=CPU, comm: ClusterCommEnv | None = None, overrides=None):
+    """What sparkrun hands a strategy, with sparkrun's own recipe, runtime and placement inside."""
+    slots = tuple(RankSlot(host=h, local_gpu=g) for h in hosts for g in range(ranks_per_host))
+    plan = SimpleNamespace(
+        recipe=distributed_recipe(tmp_path), runtime=runtime or VllmDistributedRuntime(),
+        placement=RankAssignment(by_rank=slots, hosts_used=tuple(hosts)), host_hardware={h: hardware for h in hosts},
+    )  # fmt: skip
+    options = SimpleNamespace(overrides=overrides if overrides is not None else {"tensor_parallel": len(slots)}, init_port=25000)
+    return SimpleNamespace(execution=SimpleNamespace(plan=plan, options=options), hosts=tuple(hosts), comm_env=comm)
+
+
+def test_one_unit_per_host_in_rank_order_with_sparkruns_node_command(tmp_path):
+    comm = ClusterCommEnv(per_host={h: {"NODE_IP": h, "GLOO_SOCKET_IFNAME": "eth0"} for h in HOSTS})
+    units = units_of(activation(tmp_path, comm=comm), COMMON)
+    assert [(u.name, u.host, u.rank) for u in units] == [("rank-0", HOSTS[0], 0), ("rank-1", HOSTS[1], 1)]
+    head, worker = units
+    assert head.command is not None and head.command.endswith("--nnodes 2 --node-rank 0 --master-addr %s --master-port 25000" % HOSTS[0])
+    assert worker.command is not None and worker.command.endswith("--nnodes 2 --node-rank 1 --master-addr %s --master-port 25000 --headless" % HOSTS[0])
+    assert "--tensor-parallel-size 2" in head.command and head.command.startswith("python -m vllm.entrypoints.openai.api_server")
+    # Each unit adds its host's address and interface (vLLM advertises NODE_IP as VLLM_HOST_IP).
+    for unit, host in zip(units, HOSTS):
+        assert unit.env == {"NODE_IP": host, "GLOO_SOCKET_IFNAME": "eth0", "VLLM_HOST_IP": host}
+        assert unit.devices == ()  # the plugin's CPU slot is no device
+
+
+def test_the_commands_are_the_runtimes_own(tmp_path):
+    actx = activation(tmp_path)
+    plan = actx.execution.plan
+    expected = node_commands(plan.runtime, plan.recipe, {"tensor_parallel": 2}, HOSTS, init_port=25000, placement=plan.placement)
+    assert [u.command for u in units_of(actx, COMMON)] == expected
+    assert expected[1].endswith("--headless") and not expected[0].endswith("--headless")
+
+
+def test_gpu_hosts_get_the_devices_placement_gave_them(tmp_path):
+    gpus = HostHardware(accelerators=[AcceleratorSpec(vendor="nvidia", model="GB10", count=2)])
+    units = units_of(activation(tmp_path, ranks_per_host=2, hardware=gpus), COMMON)
+    assert [u.devices for u in units] == [("0", "1"), ("0", "1")]
+
+
+def test_a_solo_placement_is_the_one_unit_it_always_was(tmp_path):
+    (unit,) = units_of(activation(tmp_path, hosts=HOSTS[:1], overrides={}), COMMON)
+    assert unit.model_dump() == {"name": "solo", "host": HOSTS[0], "rank": 0, "devices": (), "command": None, "env": {}}
+
+
+def test_a_runtime_that_does_not_start_one_engine_per_host_is_refused(tmp_path):
+    with pytest.raises(RequestError, match="runtime vllm-ray starts its workers through ray, not one engine per host"):
+        units_of(activation(tmp_path, runtime=VllmRayRuntime()), COMMON)
+
+
+def test_a_unit_environment_is_the_common_one_plus_its_own():
+    assert env_delta({"A": "1", "B": "2"}, {"A": "1", "B": "3", "C": "4"}) == {"B": "3", "C": "4"}
+    with pytest.raises(RequestError, match="lacks B of the workload's common environment"):
+        env_delta({"A": "1", "B": "2"}, {"A": "1"})
+
+
+def two_host_workload(tmp_path) -> Workload:
+    units = units_of(activation(tmp_path, comm=ClusterCommEnv(per_host={h: {"NODE_IP": h} for h in HOSTS})), COMMON)
+    units = (units[0], units[1].model_copy(update={"env": {**units[1].env, "HF_TOKEN": "hf_secret_value"}}))
+    return Workload(
+        recipe="two-hosts", engine="vllm", runtime="vllm-distributed", model=ModelRef(id="coldsnap/tiny-qwen2", revision="ab" * 20),
+        topology=Topology(hosts=HOSTS, tensor_parallel=2, units=units), launch=Launch(executor="local", command="python -m vllm.entrypoints.openai.api_server", env=COMMON, port=8000),
+        driver="cpu",
+    )  # fmt: skip
+
+
+def test_a_request_of_units_validates_against_its_schema_and_keeps_unit_secrets_out(tmp_path):
+    req = CaptureRequest(workload=two_host_workload(tmp_path), validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="two-hosts"))
+    doc = req.model_dump(mode="json")
+    jsonschema.validate(doc, json.loads((ROOT / "docs" / "schemas" / "capture-request.schema.json").read_text()))
+    assert CaptureRequest.model_validate(doc) == req
+    assert "hf_secret_value" in req.workload.secret_values()
+    stored = req.workload.redacted().model_dump(mode="json")
+    assert "hf_secret_value" not in json.dumps(stored) and stored["topology"]["units"][1]["env"]["HF_TOKEN"].startswith("sha256:")
+
+
+def test_capture_and_restore_refuse_several_units_in_one_line(tmp_path):
+    workload = two_host_workload(tmp_path)
+    capture = CaptureRequest(workload=workload, validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="two-hosts"))
+    with pytest.raises(RequestError) as err:
+        api.capture(capture, store=tmp_path / "store")
+    assert err.value.code == "request.multi_host"
+    assert err.value.message == ("multi-host capture is not available yet: the recipe places 2 launch units (rank-0 on 198.18.0.1, rank-1 on 198.18.0.2); capture it on one host (-H HOST)")
+    restore = RestoreRequest(workload=workload, validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="two-hosts"), workload_name="w")
+    with pytest.raises(RequestError, match=r"^multi-host restore is not available yet: the recipe places 2 launch units") as err:
+        api.prepare(restore, store=tmp_path / "store")
+    assert "\n" not in err.value.message
+
+
+def test_sparkrun_picks_gloo_for_hosts_with_the_cpu_slot():
+    """The plugin's platform claims the CPU slot, so sparkrun's own selection finds a collective."""
+    from sparkrun.core.backend_select import select_backends, validate_collective_backends
+
+    cpu_platform.register()
+    bundle = select_backends(CPU)
+    assert (bundle.accelerator_vendor, bundle.collective.name) == ("cpu", "gloo")
+    validate_collective_backends({h: bundle for h in HOSTS})
+    assert bundle.collective.env_for_host({"IB_DETECTED": "0"}) == {}
+    assert bundle.collective.env_for_host({"DETECTED_SOCKET_IFNAME": "eth0", "DETECTED_MGMT_IP": "198.18.0.1"}) == {"GLOO_SOCKET_IFNAME": "eth0", "NODE_IP": "198.18.0.1"}
+
+
+def test_sparkrun_places_a_multi_host_cpu_run_and_the_plugin_makes_one_unit_per_host(two_node, sparkrun, tmp_path, store):
+    """sparkrun 0.4.2 picks a collective backend for any launch of more than one rank; with the
+    plugin's gloo platform it has one for the CPU slot, and its placement reaches the plugin."""
+    recipe = write_recipe(
+        tmp_path,
+        name="two-hosts.yaml",
+        replace={"runtime: vllm\n": "runtime: vllm-distributed\n", "--dtype {dtype}": "--dtype {dtype} --tensor-parallel-size {tensor_parallel}"},
+    )
+    cp = sparkrun.coldsnap("capture", str(recipe), "--cluster", "two-node", "-o", "tensor_parallel=2", "--store", str(store), "--dry-run")
+    request = json.loads(cp.stdout[cp.stdout.index("{\n") :])
+    units = request["workload"]["topology"]["units"]
+    assert [(u["name"], u["host"]) for u in units] == [("rank-0", two_node.addresses[0]), ("rank-1", two_node.addresses[1])]
+    assert "--node-rank 0 --master-addr %s" % two_node.addresses[0] in units[0]["command"] and "--headless" not in units[0]["command"]
+    assert units[1]["command"].endswith("--node-rank 1 --master-addr %s --master-port 25000 --headless" % two_node.addresses[0])
