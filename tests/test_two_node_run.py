@@ -55,7 +55,7 @@ def chat(address: str) -> str:
         "sparkrun places both ranks and launches them with the local executor, but its first liveness check of the head rank "
         "fails (rc 1) with the rank's log still empty, then it looks for a docker container of that name; the cause is not found yet"
     ),
-    strict=False,
+    strict=True,  # the day it runs, this says so
 )
 def test_sparkrun_runs_both_ranks_answers_through_rank_0_and_stops_both(two_node, sparkrun, tmp_path):
     require_engine()
