@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -38,7 +39,7 @@ from sparkrun_coldsnap.documents.request import (
     ValidationSpec,
     Workload,
 )
-from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, CompatibilityError, EngineError, RestoreError, ValidationError
+from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, CompatibilityError, EngineError, NotFoundError, RestoreError, ValidationError
 from sparkrun_coldsnap.host.process_tree import kill_tree
 
 FAKE = Path(__file__).parent / "fakes" / "fake_sglang.py"
@@ -140,6 +141,60 @@ def test_the_engine_killed_while_capture_waits_for_it(tmp_path):
     out = api.capture(capture_request(port), store=store)  # the retry
     assert out.receipt.state == "succeeded"
     wait_no_process(port)
+
+
+def test_a_capture_without_room_is_refused_before_the_dump_and_leaves_nothing(tmp_path):
+    """The store on a small tmpfs: the room check estimates the dump from the tree's memory
+    and refuses before CRIU writes anything, naming the place, what it needs and the fix."""
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], check=True)
+    try:
+        port = free_port()
+        store = CapsuleStore(small / "store")
+        with pytest.raises(CaptureError) as caught:
+            api.capture(capture_request(port), store=store)
+        message = caught.value.message
+        assert message.startswith("not enough disk space for the capture: writing the process images and packing them needs about"), message
+        assert " in %s" % store.staging in message, message
+        assert message.endswith("free space there, or put the capsule store on a larger disk (coldsnap.capsule.store); the engine this capture started has been stopped")
+        r = caught.value.receipt
+        assert r is not None and r.state == "failed" and r.error is not None and r.error.phase == "precheck"
+        assert r.details["dump_estimate_bytes"] > 4 << 20
+        assert not any(p.name == "checkpoint" for p in r.phases)
+        wait_no_process(port)
+        assert store.entries() == []
+        nothing_staged(store)
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
+def test_a_missing_capsule_starts_the_engine_vanilla_unless_told_to_fail(tmp_path):
+    port = free_port()
+    store = CapsuleStore(tmp_path / "empty-store")
+    strict = restore_request(port, name="absent")
+    with pytest.raises(NotFoundError, match=r"^capsule absent:latest is not in .* and the request says on_missing: fail: capture it first$"):
+        api.prepare(strict, store=store)
+    assert not fake_processes(port)
+    plan = api.prepare(strict.model_copy(update={"on_missing": "vanilla"}), store=store)
+    assert plan.prepared is None and plan.vanilla_because == "no capsule absent:latest in %s yet" % store.root
+    notes: list[str] = []
+    started = api.activate(plan, log_path=tmp_path / "vanilla.log", on_note=notes.append)
+    try:
+        assert started.how == "vanilla" and started.receipts == []
+        r = started.outcome.receipt
+        assert r.operation == "start" and r.state == "succeeded" and r.validation is not None and r.validation.passed and r.validation.reply
+        assert r.details["instead_of_restore"] == plan.vanilla_because
+        assert notes == ["%s: starting the engine vanilla (capture it with `sparkrun coldsnap capture`)" % plan.vanilla_because]
+        assert started.outcome.root_pid in {p.pid for p in fake_processes(port)}
+        reply = requests.post(
+            "http://127.0.0.1:%d/v1/chat/completions" % port, json={"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}, timeout=10
+        ).json()
+        assert reply["choices"][0]["message"]["content"] == r.validation.reply
+    finally:
+        kill_tree(started.outcome.root_pid, grace=2.0)
+    wait_no_process(port)
+    assert store.entries() == [] if store.root.exists() else True
 
 
 def test_the_capture_released_and_the_restore_hydrated_through_the_gpu_steps(captured):
