@@ -10,6 +10,7 @@ process, no staging left, nothing partial visible, and a retry that succeeds."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -49,8 +50,8 @@ def snapshot() -> Path:
     return next((hf_home() / "hub" / "models--coldsnap--tiny-qwen2" / "snapshots").iterdir())
 
 
-def workload(port: int, startup: float = 1.0) -> Workload:
-    snap = snapshot()
+def workload(port: int, startup: float = 1.0, snap: Path | None = None) -> Workload:
+    snap = snap or snapshot()
     command = "%s %s --model-path %s --port %d --fake-startup-seconds %s" % (sys.executable, FAKE, snap, port, startup)
     return Workload(
         recipe="fault", engine="sglang", runtime="sglang", model=ModelRef(id="coldsnap/tiny-qwen2", revision=snap.name, path=str(snap)),
@@ -59,13 +60,13 @@ def workload(port: int, startup: float = 1.0) -> Workload:
     )  # fmt: skip
 
 
-def capture_request(port: int, name: str = "fault", startup: float = 1.0) -> CaptureRequest:
-    return CaptureRequest(workload=workload(port, startup), validation=ValidationSpec(prompt="hello", max_tokens=8), capsule=CapsuleName(name=name), ready_timeout_seconds=60)
+def capture_request(port: int, name: str = "fault", startup: float = 1.0, snap: Path | None = None) -> CaptureRequest:
+    return CaptureRequest(workload=workload(port, startup, snap), validation=ValidationSpec(prompt="hello", max_tokens=8), capsule=CapsuleName(name=name), ready_timeout_seconds=60)
 
 
-def restore_request(port: int, name: str = "fault", expected: str | None = None) -> RestoreRequest:
+def restore_request(port: int, name: str = "fault", expected: str | None = None, snap: Path | None = None) -> RestoreRequest:
     return RestoreRequest(
-        workload=workload(port), validation=ValidationSpec(prompt="hello", max_tokens=8, expected_reply=expected), capsule=CapsuleName(name=name),
+        workload=workload(port, snap=snap), validation=ValidationSpec(prompt="hello", max_tokens=8, expected_reply=expected), capsule=CapsuleName(name=name),
         on_missing="fail", on_incompatible="fail", workload_name="coldsnap-fault-test",
     )  # fmt: skip
 
@@ -195,6 +196,43 @@ def test_a_missing_capsule_starts_the_engine_vanilla_unless_told_to_fail(tmp_pat
         kill_tree(started.outcome.root_pid, grace=2.0)
     wait_no_process(port)
     assert store.entries() == [] if store.root.exists() else True
+
+
+def test_a_changed_or_missing_model_file_is_refused_at_admission_and_the_original_restores(tmp_path):
+    """On a GPU the capsule holds no weights: the restore reloads the model files it recorded, so
+    preparation (before sparkrun stops the old workload) checks each against its digest. The
+    model is a private copy: changing the shared cache would change every other test's."""
+    snap = tmp_path / "hub" / "models--coldsnap--tiny-qwen2" / "snapshots" / snapshot().name
+    shutil.copytree(snapshot(), snap)  # the cache's links followed: plain files of our own
+    port = free_port()
+    store = CapsuleStore(tmp_path / "store")
+    out = api.capture(capture_request(port, name="weights", snap=snap), store=store)
+    assert out.capsule is not None and out.capsule.config.weights.location == "external"
+    wait_no_process(port)
+    weights = snap / "model.safetensors"
+    original = weights.read_bytes()
+    changed = bytearray(original)
+    changed[len(changed) // 2] ^= 0xFF  # same size, other bytes
+    request = restore_request(port, name="weights", snap=snap)
+    damage = {
+        r"model file %s does not match the capsule \(sha256 .*\): restore the original file" % weights: lambda: weights.write_bytes(bytes(changed)),
+        r"model file %s is missing: download model revision again" % weights: weights.unlink,
+    }
+    for expected, do in damage.items():
+        do()
+        with pytest.raises(CompatibilityError, match=expected) as caught:
+            api.prepare(request, store=store)
+        r = caught.value.receipt
+        assert r is not None and r.state == "refused" and r.error is not None and r.error.phase == "prepare.admission" and caught.value.exit_code == 3
+        assert not fake_processes(port)
+        nothing_staged(store)
+    weights.write_bytes(original)
+    restored = api.restore(request, store=store)
+    try:
+        assert restored.outcome.receipt.state == "succeeded" and restored.outcome.receipt.validation.passed  # type: ignore[union-attr]
+    finally:
+        kill_tree(restored.outcome.root_pid, grace=2.0)
+    wait_no_process(port)
 
 
 def test_the_capture_released_and_the_restore_hydrated_through_the_gpu_steps(captured):
