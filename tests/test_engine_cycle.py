@@ -2,7 +2,8 @@
 
 capture -> restore through `sparkrun run` -> validated -> `sparkrun status`
 shows it -> `sparkrun stop` stops it; then what must be refused with a real
-capsule (damaged blobs, another host's fingerprint, a missing capsule).
+capsule (damaged blobs, another host's fingerprint, a missing capsule); and
+the `bench` verb on the same capsule.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -151,7 +153,7 @@ def test_a_flipped_byte_in_any_blob_is_refused(captured, sparkrun, tmp_path, whi
     cap = capsule_mod.open_capsule(cs, "tiny")
     target = {"manifest": cap.descriptor, "config": Descriptor.from_json(cap.manifest["config"]), "layer": cap.layers[-1]}[which]
     path = cs.blob_path(target.digest)
-    assert path.stat().st_nlink == 2  # shared with the captured store until tampered with
+    assert path.samefile(CapsuleStore(store).blob_path(target.digest))  # shared until tampered with
     tamper(path)
     CapsuleStore(store).verify_blob(target)  # the original is untouched
     cp = sparkrun.coldsnap("verify", "tiny", "--store", str(s), check=False)
@@ -256,3 +258,41 @@ def test_sparkrun_run_pulls_a_published_capsule_before_restoring(captured, spark
     finally:
         registry.stop()
 
+
+def test_bench_measures_one_vanilla_start_and_one_restore_and_reports_them(captured, sparkrun, tmp_path):
+    """One sample of each path, the cheapest run that still has a median and a ratio to check.
+    The page cache is kept: dropping it slows every other process on the host."""
+    store, recipe, receipt = captured
+    out_dir = tmp_path / "bench"
+    cp = sparkrun.coldsnap("bench", str(recipe), "-H", "localhost", "--samples", "1", "--keep-page-cache", "--out", str(out_dir))
+    wait_gone()
+    doc = json.loads((out_dir / "bench.json").read_text())
+    assert doc["format"] == 1 and doc["recipe"] == "tiny" and doc["engine"] == "vllm" and doc["page_cache_dropped"] is False
+    assert doc["driver"] == "cpu" and list(doc["paths"]) == ["cpu"]
+    samples = doc["samples"]
+    assert [(s["path"], s["index"]) for s in samples] == [("vanilla", 0), ("cpu", 0)]
+    vanilla, restore = samples
+    # A vanilla start takes the engine's whole start; a restore skips it.
+    assert vanilla["ttft_seconds"] > restore["ttft_seconds"] > 0 and restore["prepare_seconds"] > 0
+    assert "launch" in vanilla["phases"] and restore["phases"] and restore["validated"] is True
+    # The summaries are the samples' own, and the ratio is of their medians.
+    cpu = doc["paths"]["cpu"]
+    for summary, values in ((doc["vanilla_ttft"], [vanilla["ttft_seconds"]]), (cpu["ttft"], [restore["ttft_seconds"]]), (cpu["prepare"], [restore["prepare_seconds"]])):
+        assert summary == {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+    assert cpu["speedup_median"] == vanilla["ttft_seconds"] / restore["ttft_seconds"] > 1
+    assert cpu["phases_median"] == restore["phases"]
+    assert cpu["all_validated"] is True and doc["all_restores_validated"] is True
+    assert cpu["capsule"] == {"ref": "tiny:latest", "digest": receipt["capsule"]}
+    assert (doc["restore_ttft"], doc["restore_prepare"], doc["speedup_median"]) == (cpu["ttft"], cpu["prepare"], cpu["speedup_median"])
+    assert (out_dir / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The printed table holds the document's numbers.
+    lines = cp.stdout.splitlines()
+
+    def row(label: str) -> list[str]:
+        line = next(l for l in lines if l.startswith(label))
+        return line[len(label) :].split()
+
+    for label, s in (("vanilla start -> first token", doc["vanilla_ttft"]), ("restore (cpu) -> first token", cpu["ttft"]), ("  preparation, before the clock (cpu)", cpu["prepare"])):
+        assert row(label) == ["%.2fs" % s["median"], "%.2fs" % s["min"], "%.2fs" % s["max"], "1"], cp.stdout
+    assert "cpu: %.1fx faster than vanilla (medians)" % cpu["speedup_median"] in cp.stdout
+    assert "results: %s; plot: %s" % (out_dir / "bench.json", out_dir / "bench.png") in cp.stdout
