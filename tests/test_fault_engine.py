@@ -10,7 +10,9 @@ process, no staging left, nothing partial visible, and a retry that succeeds."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -38,7 +40,7 @@ from sparkrun_coldsnap.documents.request import (
     ValidationSpec,
     Workload,
 )
-from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, EngineError, RestoreError, ValidationError
+from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, CompatibilityError, EngineError, NotFoundError, RestoreError, ValidationError
 from sparkrun_coldsnap.host.process_tree import kill_tree
 
 FAKE = Path(__file__).parent / "fakes" / "fake_sglang.py"
@@ -48,8 +50,8 @@ def snapshot() -> Path:
     return next((hf_home() / "hub" / "models--coldsnap--tiny-qwen2" / "snapshots").iterdir())
 
 
-def workload(port: int, startup: float = 1.0) -> Workload:
-    snap = snapshot()
+def workload(port: int, startup: float = 1.0, snap: Path | None = None) -> Workload:
+    snap = snap or snapshot()
     command = "%s %s --model-path %s --port %d --fake-startup-seconds %s" % (sys.executable, FAKE, snap, port, startup)
     return Workload(
         recipe="fault", engine="sglang", runtime="sglang", model=ModelRef(id="coldsnap/tiny-qwen2", revision=snap.name, path=str(snap)),
@@ -58,13 +60,13 @@ def workload(port: int, startup: float = 1.0) -> Workload:
     )  # fmt: skip
 
 
-def capture_request(port: int, name: str = "fault", startup: float = 1.0) -> CaptureRequest:
-    return CaptureRequest(workload=workload(port, startup), validation=ValidationSpec(prompt="hello", max_tokens=8), capsule=CapsuleName(name=name), ready_timeout_seconds=60)
+def capture_request(port: int, name: str = "fault", startup: float = 1.0, snap: Path | None = None) -> CaptureRequest:
+    return CaptureRequest(workload=workload(port, startup, snap), validation=ValidationSpec(prompt="hello", max_tokens=8), capsule=CapsuleName(name=name), ready_timeout_seconds=60)
 
 
-def restore_request(port: int, name: str = "fault", expected: str | None = None) -> RestoreRequest:
+def restore_request(port: int, name: str = "fault", expected: str | None = None, snap: Path | None = None) -> RestoreRequest:
     return RestoreRequest(
-        workload=workload(port), validation=ValidationSpec(prompt="hello", max_tokens=8, expected_reply=expected), capsule=CapsuleName(name=name),
+        workload=workload(port, snap=snap), validation=ValidationSpec(prompt="hello", max_tokens=8, expected_reply=expected), capsule=CapsuleName(name=name),
         on_missing="fail", on_incompatible="fail", workload_name="coldsnap-fault-test",
     )  # fmt: skip
 
@@ -139,6 +141,97 @@ def test_the_engine_killed_while_capture_waits_for_it(tmp_path):
     nothing_staged(store)
     out = api.capture(capture_request(port), store=store)  # the retry
     assert out.receipt.state == "succeeded"
+    wait_no_process(port)
+
+
+def test_a_capture_without_room_is_refused_before_the_dump_and_leaves_nothing(tmp_path):
+    """The store on a small tmpfs: the room check estimates the dump from the tree's memory
+    and refuses before CRIU writes anything, naming the place, what it needs and the fix."""
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], check=True)
+    try:
+        port = free_port()
+        store = CapsuleStore(small / "store")
+        with pytest.raises(CaptureError) as caught:
+            api.capture(capture_request(port), store=store)
+        message = caught.value.message
+        assert message.startswith("not enough disk space for the capture: writing the process images and packing them needs about"), message
+        assert " in %s" % store.staging in message, message
+        assert message.endswith("free space there, or put the capsule store on a larger disk (coldsnap.capsule.store); the engine this capture started has been stopped")
+        r = caught.value.receipt
+        assert r is not None and r.state == "failed" and r.error is not None and r.error.phase == "precheck"
+        assert r.details["dump_estimate_bytes"] > 4 << 20
+        assert not any(p.name == "checkpoint" for p in r.phases)
+        wait_no_process(port)
+        assert store.entries() == []
+        nothing_staged(store)
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
+def test_a_missing_capsule_starts_the_engine_vanilla_unless_told_to_fail(tmp_path):
+    port = free_port()
+    store = CapsuleStore(tmp_path / "empty-store")
+    strict = restore_request(port, name="absent")
+    with pytest.raises(NotFoundError, match=r"^capsule absent:latest is not in .* and the request says on_missing: fail: capture it first$"):
+        api.prepare(strict, store=store)
+    assert not fake_processes(port)
+    plan = api.prepare(strict.model_copy(update={"on_missing": "vanilla"}), store=store)
+    assert plan.prepared is None and plan.vanilla_because == "no capsule absent:latest in %s yet" % store.root
+    notes: list[str] = []
+    started = api.activate(plan, log_path=tmp_path / "vanilla.log", on_note=notes.append)
+    try:
+        assert started.how == "vanilla" and started.receipts == []
+        r = started.outcome.receipt
+        assert r.operation == "start" and r.state == "succeeded" and r.validation is not None and r.validation.passed and r.validation.reply
+        assert r.details["instead_of_restore"] == plan.vanilla_because
+        assert notes == ["%s: starting the engine vanilla (capture it with `sparkrun coldsnap capture`)" % plan.vanilla_because]
+        assert started.outcome.root_pid in {p.pid for p in fake_processes(port)}
+        reply = requests.post(
+            "http://127.0.0.1:%d/v1/chat/completions" % port, json={"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}, timeout=10
+        ).json()
+        assert reply["choices"][0]["message"]["content"] == r.validation.reply
+    finally:
+        kill_tree(started.outcome.root_pid, grace=2.0)
+    wait_no_process(port)
+    assert store.entries() == [] if store.root.exists() else True
+
+
+def test_a_changed_or_missing_model_file_is_refused_at_admission_and_the_original_restores(tmp_path):
+    """On a GPU the capsule holds no weights: the restore reloads the model files it recorded, so
+    preparation (before sparkrun stops the old workload) checks each against its digest. The
+    model is a private copy: changing the shared cache would change every other test's."""
+    snap = tmp_path / "hub" / "models--coldsnap--tiny-qwen2" / "snapshots" / snapshot().name
+    shutil.copytree(snapshot(), snap)  # the cache's links followed: plain files of our own
+    port = free_port()
+    store = CapsuleStore(tmp_path / "store")
+    out = api.capture(capture_request(port, name="weights", snap=snap), store=store)
+    assert out.capsule is not None and out.capsule.config.weights.location == "external"
+    wait_no_process(port)
+    weights = snap / "model.safetensors"
+    original = weights.read_bytes()
+    changed = bytearray(original)
+    changed[len(changed) // 2] ^= 0xFF  # same size, other bytes
+    request = restore_request(port, name="weights", snap=snap)
+    damage = {
+        r"model file %s does not match the capsule \(sha256 .*\): restore the original file" % weights: lambda: weights.write_bytes(bytes(changed)),
+        r"model file %s is missing: download model revision again" % weights: weights.unlink,
+    }
+    for expected, do in damage.items():
+        do()
+        with pytest.raises(CompatibilityError, match=expected) as caught:
+            api.prepare(request, store=store)
+        r = caught.value.receipt
+        assert r is not None and r.state == "refused" and r.error is not None and r.error.phase == "prepare.admission" and caught.value.exit_code == 3
+        assert not fake_processes(port)
+        nothing_staged(store)
+    weights.write_bytes(original)
+    restored = api.restore(request, store=store)
+    try:
+        assert restored.outcome.receipt.state == "succeeded" and restored.outcome.receipt.validation.passed  # type: ignore[union-attr]
+    finally:
+        kill_tree(restored.outcome.root_pid, grace=2.0)
     wait_no_process(port)
 
 
