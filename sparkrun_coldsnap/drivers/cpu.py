@@ -61,8 +61,8 @@ class CpuDriver(CriuDriver):
     def restore(
         self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None, warm: Any = None, port: int | None = None,
     ) -> RestoredUnit:  # fmt: skip
-        root, _keeper = criu_isolated.restore(Criu.locate(), unit, images, log_path=log_path, progress=progress, host_port=port)
-        return RestoredUnit(root)
+        root, _keeper, handed = criu_isolated.restore(Criu.locate(), unit, images, log_path=log_path, progress=progress, host_port=port, owned_dir=owned_dir)
+        return RestoredUnit(root, images_handed_over=handed)
 
 
     def checkpoint_container(self, unit: Any, images: Path, *, unit_name: str, host: str, spec: Any, progress: Progress) -> UnitImage:

@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 
 from sparkrun_coldsnap.documents import settings
+from sparkrun_coldsnap.drivers import criu_tree
 from sparkrun_coldsnap.drivers.base import Progress, UnitImage
 from sparkrun_coldsnap.drivers.criu_tool import Criu, how_it_ended, log_tail
 from sparkrun_coldsnap.drivers.criu_tree import BASE_FLAGS, RESTORE_LOG, TCP_FLAGS
@@ -37,12 +38,23 @@ def inner_port(unit: UnitImage, host_port: int | None) -> int | None:
     return unit.listening_ports[0]
 
 
-def restore(criu: Criu, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, host_port: int | None) -> tuple[int, int]:
-    """Restore *unit* in namespaces of its own; returns the host PIDs of its root and of its keeper.
+def restore(
+    criu: Criu, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, host_port: int | None, owned_dir: Path | None = None,
+) -> tuple[int, int, bool]:  # fmt: skip
+    """Restore *unit* in namespaces of its own; returns the host PIDs of its root and of its
+    keeper, and whether *owned_dir* was handed over to the lazy-pages daemon.
 
     With *host_port* the tree gets a network namespace too, and the keeper forwards that
     port of the host to the captured one; without, it serves on the host's network.
+
+    Memory comes back on demand where the host can: the ``criu lazy-pages`` daemon runs in
+    the host's namespaces and listens on a socket among the images; the restore inside
+    reaches it through the keeper's descriptor of the images directory (a socket is found
+    by its inode, whatever mount namespace the path is walked from), and the pages the
+    restored tasks fault on are served from the images the daemon reads. It removes
+    *owned_dir* once every page has moved.
     """
+    lazy = criu_tree.lazy_pages_supported(criu)
     pidfile = paths.run_dir() / ("restore-%d-%s.pid" % (os.getpid(), unit.name))
     pidfile.parent.mkdir(parents=True, exist_ok=True)
     pidfile.unlink(missing_ok=True)
@@ -50,6 +62,9 @@ def restore(criu: Criu, unit: UnitImage, images: Path, *, log_path: Path, progre
     # The keeper adds ``restore -D``: it reaches the images through a descriptor.
     args = ["-d", "-o", RESTORE_LOG, "--pidfile", str(pidfile), *BASE_FLAGS]
     args += list(TCP_FLAGS if unit.tcp_established else ())
+    daemon = criu_tree._start_lazy_daemon(criu, images, owned_dir) if lazy else None
+    if daemon is not None:
+        args.append("--lazy-pages")
     spec = {
         "criu_argv": list(criu.argv),
         "restore_args": args,
@@ -62,7 +77,7 @@ def restore(criu: Criu, unit: UnitImage, images: Path, *, log_path: Path, progre
         "host_port": host_port,
         "inner_port": inner_port(unit, host_port),
     }
-    progress("criu restore in namespaces of its own" + (" (port %d)" % host_port if host_port else ""))
+    progress("criu restore in namespaces of its own" + (" (port %d)" % host_port if host_port else "") + (", memory on demand" if daemon else ""))
     t = time.monotonic()
     # The keeper's own complaints (it has no other voice once this process is gone) go to the unit's log.
     with open(log_path, "ab") as log:
@@ -83,6 +98,8 @@ def restore(criu: Criu, unit: UnitImage, images: Path, *, log_path: Path, progre
         said = {"error": "the namespace keeper ended (exit %s)" % keeper.wait()}
     if "root_pid" not in said:
         keeper.wait()
+        if daemon is not None:
+            criu_tree._stop_daemon(daemon)
         words = said["error"].split()
         if len(words) == 2 and words[0] == "criu" and words[1].lstrip("-").isdigit():
             ended = "criu restore of unit %s in its own namespaces %s" % (unit.name, how_it_ended(int(words[1])))
@@ -91,7 +108,12 @@ def restore(criu: Criu, unit: UnitImage, images: Path, *, log_path: Path, progre
     # The keeper outlives this process (it forwards the port while the tree lives); nothing waits
     # for it here, so do not leave a Popen that would warn about it.
     keeper.returncode = 0
-    return int(said["root_pid"]), int(said["keeper_pid"])
+    handed = daemon is not None and owned_dir is not None
+    if handed and daemon is not None and daemon.poll() is not None and owned_dir is not None:
+        # A small tree's pages can all be delivered before criu restore has finished writing
+        # its statistics there: the daemon's removal then raced it, so remove again.
+        paths.remove_staging(owned_dir)
+    return int(said["root_pid"]), int(said["keeper_pid"]), handed
 
 
 def keeper_of(root_pid: int) -> int | None:
