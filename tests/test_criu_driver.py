@@ -47,6 +47,20 @@ def start(tmp_path: Path, port: int, *extra: str):
     return unit
 
 
+def captured_server(tmp_path: Path, port: int, driver: CpuDriver):
+    """The small server started, answering its first request, then checkpointed (it stops)."""
+    with io_uring_disabled():
+        unit = start(tmp_path, port)
+        try:
+            assert wait_http("http://127.0.0.1:%d/state" % port).strip() == "1"
+            image = driver.checkpoint(unit.root_pid, tmp_path / "images", unit="solo", host="localhost", progress=lambda m: None)
+        except BaseException:
+            kill_tree(unit.root_pid)
+            raise
+    unit.reap()
+    return image
+
+
 def test_dump_then_restore_twice_from_the_same_images(tmp_path):
     port = free_port()
     driver = CpuDriver()
@@ -195,15 +209,7 @@ def host_pid_namespace_pid(pid: int) -> list[int]:
 def test_one_capture_restores_twice_at_once_each_on_its_own_port(tmp_path):
     port = free_port()
     driver = CpuDriver()
-    with io_uring_disabled():
-        unit = start(tmp_path, port)
-        try:
-            assert wait_http("http://127.0.0.1:%d/state" % port).strip() == "1"
-            image = driver.checkpoint(unit.root_pid, tmp_path / "images", unit="solo", host="localhost", progress=lambda m: None)
-        except BaseException:
-            kill_tree(unit.root_pid)
-            raise
-    unit.reap()
+    image = captured_server(tmp_path, port, driver)
     # Segment and semaphore names are random; CRIU's link_remap.N names are not (other dumps reuse them).
     shm_names = {f.path for f in image.shared_files if not Path(f.path).name.startswith("link_remap.")}
     assert image.listening_ports == (port,)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from registry_fixtures import free_port
-from test_criu_driver import start, wait_http
+from test_criu_driver import captured_server, start, wait_http
 
 from sparkrun_coldsnap.controller.common import Attempt
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder
@@ -92,15 +92,7 @@ def test_a_restore_killed_mid_way_leaves_no_process_and_a_retry_restores(tmp_pat
 
     port = free_port()
     driver = CpuDriver()
-    with io_uring_disabled():
-        unit = start(tmp_path, port)
-        try:
-            assert wait_http("http://127.0.0.1:%d/state" % port).strip() == "1"
-            image = driver.checkpoint(unit.root_pid, tmp_path / "images", unit="solo", host="localhost", progress=lambda m: None)
-        except BaseException:
-            kill_tree(unit.root_pid)
-            raise
-    unit.reap()
+    image = captured_server(tmp_path, port, driver)
     assert driver.admission(image) == []
     monkeypatch.setenv("COLDSNAP_CRIU", "sh %s restore" % KILLER)
     monkeypatch.setenv("CRIU_KILL_AFTER", "0.02")
