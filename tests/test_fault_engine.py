@@ -285,18 +285,19 @@ def test_a_reply_that_differs_fails_the_restore_and_leaves_nothing(captured):
     wait_no_process(port)
 
 
-def test_a_second_restore_on_the_port_the_first_serves_on_is_refused_and_the_first_serves_on(captured):
-    """Restored into namespaces of its own, a second restore needs none of the host's PIDs or
-    shared files (it is admitted and staged, as a replacement is); the port it would serve on is
-    the first one's, so its activation refuses, leaves nothing staged, and the first serves on."""
+def test_a_second_restore_while_the_first_serves_is_refused_and_the_first_serves_on(captured):
+    """The GPU drivers restore into the host's namespaces (CUDA does not initialize in a PID
+    namespace of its own), so a second restore of the same capsule finds its captured PIDs
+    taken and is refused at admission, before anything is staged; the first serves on. (The
+    `cpu` driver restores into namespaces of its own: there both serve, each on its port.)"""
     store, port, receipt = captured
     first = api.restore(restore_request(port), store=store)
     try:
-        plan = api.prepare(restore_request(port), store=store)
-        assert plan.prepared is not None
-        with pytest.raises(RestoreError) as caught:
-            api.activate(plan)
-        assert "port %d is in use" % port in caught.value.message
+        with pytest.raises(CompatibilityError) as caught:
+            api.prepare(restore_request(port), store=store)
+        r = caught.value.receipt
+        assert r is not None and r.state == "refused" and r.error is not None and r.error.phase == "prepare.admission"
+        assert "captured PID" in caught.value.message and caught.value.exit_code == 3
         nothing_staged(store)
         reply = requests.post(
             "http://127.0.0.1:%d/v1/chat/completions" % port, json={"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}, timeout=10
