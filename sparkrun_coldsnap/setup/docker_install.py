@@ -149,6 +149,18 @@ def _clear_stale_pidfiles() -> None:
     """A starting dockerd refuses to run while its pid file names a /proc entry, and waits for
     (instead of starting) the containerd its file names: a killed dockerd leaves both behind,
     naming zombies that init has not reaped yet."""
+    orphan = _live_pid(CONTAINERD_PIDFILE) if daemon_pid() is None else None
+    if orphan is not None:
+        # The containerd of a dockerd that is gone dies on its own (or lingers): end it now,
+        # or the new dockerd adopts it and waits for a socket that never answers.
+        try:
+            os.kill(orphan, signal.SIGKILL)
+        except OSError:
+            pass
+        for _ in range(100):
+            if _live_pid(CONTAINERD_PIDFILE) is None:
+                break
+            time.sleep(0.1)
     for pidfile in (DOCKERD_PIDFILE, CONTAINERD_PIDFILE):
         if pidfile.exists() and _live_pid(pidfile) is None:
             pidfile.unlink(missing_ok=True)
