@@ -93,6 +93,7 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, settings: Settings | No
         command, env = r.adapter.prepare_launch(
             w.launch.command, r.launcher.engine_env(w, r.engine_env, settings.environ), release_weights=r.driver.needs_release, native_weights=native_wanted
         )
+        command, env = r.driver.launch_settings(command, env, adapter=r.adapter, topology=w.topology)
         command = r.driver.launch_command(command, r.adapter, settings)
         log_path = paths.run_dir() / "logs" / ("capture-%s-%d.log" % (req.capsule.name, os.getpid()))
         log_path.unlink(missing_ok=True)

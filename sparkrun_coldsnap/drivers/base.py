@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -14,6 +14,7 @@ from sparkrun_coldsnap.host.facts import HostFacts
 from sparkrun_coldsnap.host.file_drift import RecordedFile
 
 if TYPE_CHECKING:
+    from sparkrun_coldsnap.documents.request import Topology
     from sparkrun_coldsnap.documents.settings import Settings
     from sparkrun_coldsnap.engines.base import EngineAdapter
     from sparkrun_coldsnap.launch.base import RunningUnit
@@ -108,6 +109,11 @@ class SnapshotDriver(ABC):
     def launch_command(self, command: str, adapter: EngineAdapter, settings: Settings) -> str:
         """The engine command to start for capture (a template driver places its boundary here)."""
         return command
+
+    def launch_settings(self, command: str, env: Mapping[str, str], *, adapter: EngineAdapter, topology: Topology) -> tuple[str, dict[str, str]]:
+        """The command and environment the unit needs so this driver can capture it (a unit
+        of several GPU ranks: collectives the checkpoint can carry). Unchanged by default."""
+        return command, dict(env)
 
     def await_boundary(self, unit: RunningUnit, log_path: Path, timeout: float) -> None:
         """Wait until a freshly launched engine reaches the point this driver captures at.

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import psutil
 
@@ -27,6 +28,12 @@ from sparkrun_coldsnap.errors import CaptureError, RestoreError, ToolError
 
 HELPER = Path(__file__).with_name("cuda_helper.py")
 LOCK_TIMEOUT_MS = 30_000
+#: How long the helper may take to answer one call, beyond a lock's own timeout. A call on a
+#: process that shares device memory with a locked peer (CUDA IPC, as NCCL's P2P transport
+#: and custom all-reduce kernels use) does not fail: it blocks until that peer is unlocked
+#: (NVIDIA/cuda-checkpoint#30), so without a deadline a capture would wait forever.
+CALL_SECONDS = {"checkpoint": 900.0, "restore": 900.0, "init": 120.0}
+OTHER_CALL_SECONDS = 60.0
 
 
 class CheckpointApi(Protocol):
@@ -42,6 +49,10 @@ class CudaCallError(RuntimeError):
     """One checkpoint API call failed; ``str()`` is the CUDA error name."""
 
 
+class CudaCallHung(CudaCallError):
+    """The driver did not answer a call in time; the helper that made it was killed."""
+
+
 class HelperProcess:
     """CheckpointApi over the helper's JSON-lines protocol.
 
@@ -50,8 +61,14 @@ class HelperProcess:
     or earlier still, during preparation.
     """
 
-    def __init__(self, python: str | None = None) -> None:
+    def __init__(self, python: str | None = None, *, slack: float = 1.0) -> None:
         python = python or helper_python()
+        #: scales every call's deadline (tests use short ones)
+        self.slack = slack
+        self._python = python
+        self._start(python)
+
+    def _start(self, python: str) -> None:
         # It must see every GPU, whatever the plugin was started with: the driver checks the
         # captured UUIDs against the caller's, and a restore may move the workload.
         env = {k: v for k, v in settings.current().environ.items() if k != "CUDA_VISIBLE_DEVICES"}
@@ -64,10 +81,19 @@ class HelperProcess:
         self._send({"op": "init"})
         self._driver_version: int | None = None
 
+    def restart(self) -> None:
+        """A fresh helper in place of one that was killed (a call it made hung)."""
+        self.kill()
+        self._start(self._python)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
     @property
     def driver_version(self) -> int:
         if self._driver_version is None:
-            self._driver_version = int(self._receive()["driver"])
+            self._driver_version = int(self._receive("init")["driver"])
         return self._driver_version
 
     def _send(self, msg: dict) -> None:
@@ -78,10 +104,16 @@ class HelperProcess:
     def _call(self, msg: dict) -> dict:
         _ = self.driver_version  # the init reply comes first
         self._send(msg)
-        return self._receive()
+        return self._receive(msg["op"], msg.get("timeout_ms", 0) / 1000, msg.get("pid"))
 
-    def _receive(self) -> dict:
+    def _receive(self, op: str, extra: float = 0.0, pid: int | None = None) -> dict:
         assert self.proc.stdout is not None
+        limit = (CALL_SECONDS.get(op, OTHER_CALL_SECONDS) + extra) * self.slack
+        # One answer line per call; the pipe is line-buffered on the helper's side.
+        ready, _, _ = select.select([self.proc.stdout], [], [], limit)
+        if not ready:
+            self.kill()  # the call may still be pending in the driver: this helper is done
+            raise CudaCallHung("no answer to %s%s within %.0f s" % (op, " of process %d" % pid if pid else "", limit))
         line = self.proc.stdout.readline()
         if not line:
             err = self.proc.stderr.read() if self.proc.stderr else ""
@@ -160,7 +192,10 @@ def checkpoint_all(api: CheckpointApi, pids: Sequence[int], *, timeout_ms: int =
             try:
                 api.lock(pid, timeout_ms)
             except CudaCallError as err:
-                raise CaptureError("cannot lock CUDA process %s within %d ms (%s): is it stuck in a kernel or a collective? the workload was left running" % (_name(pid), timeout_ms, err)) from err
+                raise CaptureError(
+                    "cannot lock CUDA process %s within %d ms (%s): is it stuck in a kernel or a collective, or does it share device memory "
+                    "with a process already locked? the workload was left running" % (_name(pid), timeout_ms, err)
+                ) from err
             locked.append(pid)
         for pid in pids:
             try:
@@ -169,25 +204,66 @@ def checkpoint_all(api: CheckpointApi, pids: Sequence[int], *, timeout_ms: int =
                 raise CaptureError("CUDA checkpoint of process %s failed (%s); the workload was left running" % (_name(pid), err)) from err
             done.append(pid)
     except CaptureError as err:
-        problems = _roll_back(api, locked, done)
+        problems = resume_all(api, pids, locked=locked, checkpointed=done)
         if problems:
             err.args = ("%s; rolling back also failed: %s" % (err, "; ".join(problems)),)
         raise
 
 
-def _roll_back(api: CheckpointApi, locked: list[int], done: list[int]) -> list[str]:
-    problems = []
-    for pid in done:
-        try:
-            api.restore(pid, ())
-        except CudaCallError as err:
-            problems.append("restore %s: %s" % (_name(pid), err))
+@runtime_checkable
+class Restartable(Protocol):
+    """A checkpoint API whose calls may hang (the helper): it can be replaced by a fresh one."""
+
+    @property
+    def alive(self) -> bool: ...
+    def restart(self) -> None: ...
+
+
+def _usable(api: CheckpointApi) -> CheckpointApi:
+    if isinstance(api, Restartable) and not api.alive:
+        api.restart()
+    return api
+
+
+def resume_all(api: CheckpointApi, pids: Sequence[int], *, locked: Sequence[int], checkpointed: Sequence[int]) -> list[str]:
+    """Every process of *pids* back to running; what could not be, one line each.
+
+    The processes known to be locked and checkpointed go first, in the restore order
+    (restore each, then unlock each): a call blocked behind a locked peer then goes
+    through. Every other process is settled by the state the driver reports, since a
+    call that hung may have been carried out after all."""
+    problems: list[str] = []
+    for pid in checkpointed:
+        problems += _step(api, "restore", pid)
     for pid in locked:
+        problems += _step(api, "unlock", pid)
+    for pid in pids:
+        if pid in locked:
+            continue
         try:
-            api.unlock(pid)
+            state = _usable(api).state(pid)
         except CudaCallError as err:
-            problems.append("unlock %s: %s" % (_name(pid), err))
+            problems.append("state of %s: %s" % (_name(pid), err))
+            continue
+        if state == "checkpointed":
+            problems += _step(api, "restore", pid)
+            state = "locked"
+        if state == "locked":
+            problems += _step(api, "unlock", pid)
+        elif state != "running":
+            problems.append("process %s is %s" % (_name(pid), state))
     return problems
+
+
+def _step(api: CheckpointApi, op: str, pid: int) -> list[str]:
+    try:
+        if op == "restore":
+            _usable(api).restore(pid, ())
+        else:
+            _usable(api).unlock(pid)
+    except CudaCallError as err:
+        return ["%s %s: %s" % (op, _name(pid), err)]
+    return []
 
 
 def restore_all(api: CheckpointApi, pids: Sequence[int], pairs: Sequence[tuple[str, str]] = ()) -> None:
@@ -206,7 +282,7 @@ def restore_all(api: CheckpointApi, pids: Sequence[int], pairs: Sequence[tuple[s
 
 def _state(api: CheckpointApi, pid: int) -> str:
     try:
-        return api.state(pid)
+        return _usable(api).state(pid)
     except CudaCallError as err:
         return "unknown: %s" % err
 

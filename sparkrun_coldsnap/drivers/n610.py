@@ -13,13 +13,14 @@ holding one.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
 from sparkrun_coldsnap.documents import settings
-from sparkrun_coldsnap.drivers import criu_tree, cuda_checkpoint, nvidia, tree_inspect
+from sparkrun_coldsnap.drivers import criu_tree, cuda_checkpoint, gpu_ranks, nvidia, tree_inspect
 from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, Support, UnitImage
 from sparkrun_coldsnap.drivers.criu_driver import CriuDriver
 from sparkrun_coldsnap.drivers.criu_tool import Criu
@@ -27,6 +28,10 @@ from sparkrun_coldsnap.errors import CaptureError, ToolError
 from sparkrun_coldsnap.hookspecs import hookimpl
 from sparkrun_coldsnap.host.facts import HostFacts
 from sparkrun_coldsnap.host.process_tree import kill_tree, tree_pids
+
+if TYPE_CHECKING:
+    from sparkrun_coldsnap.documents.request import Topology
+    from sparkrun_coldsnap.engines.base import EngineAdapter
 
 
 def _lazy_wanted() -> bool:
@@ -53,6 +58,10 @@ class N610Driver(CriuDriver):
         ipc = "with CUDA IPC" if major >= nvidia.IPC_MIN else "without CUDA IPC (keep custom all-reduce off)"
         return Support(True, "driver %s, %s; criu %s" % (host.gpu.nvidia_driver, ipc, criu.version))
 
+    def launch_settings(self, command: str, env: Mapping[str, str], *, adapter: EngineAdapter, topology: Topology) -> tuple[str, dict[str, str]]:
+        # Several ranks: collectives that share no device memory between processes (gpu_ranks.py).
+        return gpu_ranks.launch_settings(command, env, adapter=adapter, topology=topology)
+
     def precheck(self, root_pid: int) -> list[str]:
         # Device files are allowed here: the checkpoint API closes them before the dump.
         return tree_inspect.problems(root_pid, allowed_device_prefixes=("/dev/nvidia",))
@@ -70,12 +79,10 @@ class N610Driver(CriuDriver):
             visible = cuda_checkpoint.visible_uuids(psutil.Process(root_pid).environ().get("CUDA_VISIBLE_DEVICES"), every)
             uuids = cuda_checkpoint.workload_gpus(visible, nvidia.gpus_of(pids))
             progress("CUDA checkpoint of %d processes" % len(cuda))
-            cuda_checkpoint.checkpoint_all(api, cuda)
-            try:
-                image = criu_tree.dump(Criu.locate(), root_pid, images, unit=unit, host=host, driver=self.name, progress=progress)
-            except Exception:
-                cuda_checkpoint.restore_all(api, cuda)  # back to running: the workload stays as it was
-                raise
+            # Every rank locked, then every one checkpointed, then the dump; any failure puts
+            # every one back to running, so the workload stays as it was.
+            dump = lambda: criu_tree.dump(Criu.locate(), root_pid, images, unit=unit, host=host, driver=self.name, progress=progress)  # noqa: E731
+            image = gpu_ranks.capture(api, cuda, dump)
         finally:
             api.close()
         data: dict[str, Any] = {"cuda_pids": cuda, "gpu_uuids": uuids, "host_gpu_uuids": every, "driver_version": api.driver_version}
@@ -117,7 +124,7 @@ class N610Driver(CriuDriver):
                     cuda_checkpoint.visible_uuids(settings.current().cuda_visible_devices, here),
                 )
                 progress("CUDA restore of %d processes%s" % (len(unit.driver_data.get("cuda_pids", ())), " onto other GPUs" if pairs else ""))
-                cuda_checkpoint.restore_all(api, unit.driver_data.get("cuda_pids", ()), pairs)
+                gpu_ranks.restore(api, unit.driver_data.get("cuda_pids", ()), pairs)
             except BaseException:
                 kill_tree(pid, grace=2.0)
                 raise

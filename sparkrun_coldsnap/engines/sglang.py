@@ -39,6 +39,11 @@ class SglangAdapter(EngineAdapter):
     template_preload = ("torch", "transformers")
     # sparkrun renders `sglang serve ...` (the console script of sglang.cli.main).
     console_scripts = {"sglang": "sglang.cli.main"}
+    # Its custom all-reduce shares buffers through CUDA IPC; symmetric memory and NVLS turn
+    # NCCL's cuMem handles and multicast back on (SGLang sets NCCL_CUMEM_ENABLE and
+    # NCCL_NVLS_ENABLE from them at start).
+    ipc_free_flags = ("--disable-custom-all-reduce",)
+    ipc_flags = ("--enable-symm-mem", "--enable-nccl-nvls")
 
     def prepare_launch(self, command: str, env: Mapping[str, str], *, release_weights: bool, native_weights: bool = False) -> tuple[str, dict[str, str]]:
         if release_weights and not has_flag(command, "--enable-memory-saver"):

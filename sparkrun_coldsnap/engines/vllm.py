@@ -38,6 +38,10 @@ class VllmAdapter(EngineAdapter):
     # qualification machine: the pre-CUDA boundary comes after torch and transformers.
     template_preload = ("torch", "transformers")
     console_scripts = {"vllm": "vllm.entrypoints.cli.main"}
+    # Its custom all-reduce exchanges cudaIpc handles of its buffers; torch symmetric memory
+    # and FlashInfer's all-reduce map peers' memory too (each on by default where supported).
+    ipc_free_flags = ("--disable-custom-all-reduce",)
+    ipc_free_env = {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_ALLREDUCE_USE_FLASHINFER": "0", "VLLM_ALLREDUCE_USE_FLASHINFER_PCIE_IPC": "0"}
 
     def prepare_launch(self, command: str, env: Mapping[str, str], *, release_weights: bool, native_weights: bool = False) -> tuple[str, dict[str, str]]:
         env = dict(env)

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from sparkrun_coldsnap.drivers import cuda_checkpoint
+from sparkrun_coldsnap.drivers import cuda_checkpoint, gpu_ranks
 from sparkrun_coldsnap.drivers.cuda_checkpoint import CheckpointApi
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
 from sparkrun_coldsnap.host.process_tree import tree_pids
@@ -109,15 +109,8 @@ def checkpoint(api: CheckpointApi, runtime: ContainerRuntime, unit: Any, images:
     if not cuda_pids:
         raise CaptureError("no process of the container holds a CUDA context: is the engine running on the GPU?")
     ns = [ns_of(p) for p in cuda_pids]
-    cuda_checkpoint.checkpoint_all(api, cuda_pids)
-    try:
-        runtime.checkpoint(unit, images)
-    except BaseException as err:
-        try:
-            cuda_checkpoint.restore_all(api, cuda_pids)  # back to running: the container goes on serving
-        except Exception as rollback:  # noqa: BLE001 - reported beside the first error
-            err.args = ("%s; putting the CUDA processes back to running also failed: %s" % (err, rollback),)
-        raise
+    # On failure every process goes back to running: the container goes on serving.
+    gpu_ranks.capture(api, cuda_pids, lambda: runtime.checkpoint(unit, images))
     return {"cuda_ns_pids": ns}
 
 
