@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,6 +39,38 @@ fake_gpu_state = _load_state_module()
 def engine_env() -> dict[str, str]:
     """What a workload's processes need to hold fake CUDA contexts."""
     return {"PYTHONPATH": str(FAKE_CUDA), fake_gpu_state.ENV: str(fake_gpu_state.root())}
+
+
+def start_fake_cuda_workload(cmd: str, *, log_path: Path, visible: str, cuda_processes: int):
+    """Start *cmd* as a host-process unit on the fake GPUs *visible*, once *cuda_processes*
+    of its processes hold a fake CUDA context."""
+    from sparkrun_coldsnap.drivers import cuda_checkpoint
+    from sparkrun_coldsnap.host.iouring import io_uring_disabled
+    from sparkrun_coldsnap.host.process_tree import tree_pids
+    from sparkrun_coldsnap.launch.local import start_unit
+
+    env = {"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": visible, **engine_env()}
+    with io_uring_disabled():
+        unit = start_unit(cmd, env=env, log_path=log_path)
+    deadline = time.monotonic() + 30
+    while len(cuda_checkpoint.cuda_processes(tree_pids(unit.root_pid))) < cuda_processes:
+        assert unit.alive() and time.monotonic() < deadline, log_path.read_text()
+        time.sleep(0.05)
+    return unit
+
+
+def n610_checkpoint(unit, images: Path):
+    """The n610 driver's capture of a running fake-CUDA *unit*; the tree is gone afterwards."""
+    from sparkrun_coldsnap.drivers.n610 import N610Driver
+    from sparkrun_coldsnap.host.process_tree import kill_tree
+
+    try:
+        image = N610Driver().checkpoint(unit.root_pid, images, unit="solo", host="localhost", progress=lambda m: None)
+    except BaseException:
+        kill_tree(unit.root_pid)
+        raise
+    unit.reap()
+    return image
 
 
 @contextmanager

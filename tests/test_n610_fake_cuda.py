@@ -20,16 +20,14 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
-from gpu_fixtures import engine_env, fake_gpu_host, fake_gpu_state
+from gpu_fixtures import fake_gpu_host, fake_gpu_state, n610_checkpoint, start_fake_cuda_workload
 from registry_fixtures import free_port
 from test_criu_driver import wait_http
 
 from sparkrun_coldsnap.drivers import cuda_checkpoint
 from sparkrun_coldsnap.drivers.n610 import N610Driver
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
-from sparkrun_coldsnap.host.iouring import io_uring_disabled
 from sparkrun_coldsnap.host.process_tree import kill_tree, tree_pids
-from sparkrun_coldsnap.launch.local import start_unit
 
 SERVER = Path(__file__).parent / "workloads" / "server.py"
 
@@ -55,26 +53,14 @@ def record(pid: int) -> dict:
 
 def start(tmp_path: Path, port: int):
     cmd = "%s %s --port %d --fake-cuda" % (sys.executable, SERVER, port)
-    env = {"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "0", **engine_env()}
-    with io_uring_disabled():
-        unit = start_unit(cmd, env=env, log_path=tmp_path / "server.log")
-    deadline = time.monotonic() + 30
-    while len(cuda_checkpoint.cuda_processes(tree_pids(unit.root_pid))) < 2:  # the server and its worker
-        assert unit.alive() and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
-        time.sleep(0.05)
+    # The server and its worker each hold a context.
+    unit = start_fake_cuda_workload(cmd, log_path=tmp_path / "server.log", visible="0", cuda_processes=2)
     assert wait_http("http://127.0.0.1:%d/state" % port).strip() == "1"
     return unit
 
 
 def capture(tmp_path: Path, port: int):
-    unit = start(tmp_path, port)
-    try:
-        image = N610Driver().checkpoint(unit.root_pid, tmp_path / "images", unit="solo", host="localhost", progress=lambda m: None)
-    except BaseException:
-        kill_tree(unit.root_pid)
-        raise
-    unit.reap()
-    return image
+    return n610_checkpoint(start(tmp_path, port), tmp_path / "images")
 
 
 def restore(tmp_path: Path, image, name: str = "restore.log") -> int:

@@ -8,6 +8,12 @@ driver's calls on it under the driver's rules (see the driver's docstring): it h
 GPU's device file open, its kernels wait while it is locked or checkpointed, it lets go
 of the device file when checkpointed and opens it again, on the GPU the restore's pairs
 name, when restored; a GPU that is gone leaves it FAILED.
+
+Device memory shared with another process (CUDA IPC: what NCCL's P2P transport and the
+engines' custom all-reduce kernels set up, :meth:`FakeCudaContext.share_with`) is what
+the driver's checkpoint cannot carry before driver 610: a call on such a process does not
+fail, it waits while a peer is locked or checkpointed (NVIDIA/cuda-checkpoint#30), and
+its checkpoint waits while a peer runs (#45). Here too.
 """
 
 from __future__ import annotations
@@ -22,14 +28,17 @@ import fake_gpu_state as gpu
 
 
 class FakeCudaContext:
-    def __init__(self) -> None:
+    def __init__(self, device: int = 0) -> None:
+        """A context on the *device*-th GPU this process sees (``torch.cuda.set_device``)."""
         self.pid = os.getpid()
         every = gpu.gpus()
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        mine = every[int(visible.split(",")[0])] if visible else every[0]
+        seen = [every[int(i)] for i in visible.split(",")] if visible else every
+        mine = seen[device]
         self.fd: int | None = os.open(mine["device"], os.O_RDWR)
         self.state = "running"
         self.gpus = [mine]
+        self.ipc_peers: list[int] = []
         self.host_gpus = [{"uuid": g["uuid"], "chip": g["chip"]} for g in every]
         self.busy = 0
         self.cond = threading.Condition()
@@ -38,12 +47,36 @@ class FakeCudaContext:
         threading.Thread(target=self._answer_driver, daemon=True).start()
 
     def _report(self) -> None:
-        gpu.write_proc(self.pid, {"state": self.state, "gpus": self.gpus, "host_gpus": self.host_gpus})
+        gpu.write_proc(self.pid, {"state": self.state, "gpus": self.gpus, "host_gpus": self.host_gpus, "ipc_peers": self.ipc_peers})
+
+    def share_with(self, peer: int) -> None:
+        """Map device memory of *peer* (and let it map this process's): CUDA IPC."""
+        if peer not in self.ipc_peers:
+            self.ipc_peers.append(peer)
+            self._report()
+
+    def _peer_states(self) -> list[str]:
+        out = []
+        for peer in self.ipc_peers:
+            try:
+                os.kill(peer, 0)
+            except ProcessLookupError:
+                continue
+            rec = gpu.read_proc(peer)
+            out.append(rec["state"] if rec else "running")
+        return out
+
+    def _blocked(self, op: str) -> bool:
+        """The driver's call waits: a peer sharing memory is frozen, or (a checkpoint) still runs."""
+        states = self._peer_states()
+        if any(st in ("locked", "checkpointed") for st in states):
+            return True
+        return op == "checkpoint" and any(st == "running" for st in states)
 
     def _answer_driver(self) -> None:
         while True:
             req = gpu.read_json(gpu.request_path(self.pid))
-            if req is not None and req["id"] != self.answered:
+            if req is not None and req["id"] != self.answered and not self._blocked(req["op"]):
                 result = self._carry_out(req)
                 self.answered = req["id"]
                 self._report()
@@ -125,5 +158,5 @@ class FakeCudaContext:
                 self.cond.notify_all()
 
 
-def attach() -> FakeCudaContext:
-    return FakeCudaContext()
+def attach(device: int = 0) -> FakeCudaContext:
+    return FakeCudaContext(device)

@@ -18,7 +18,11 @@ documents and what was measured on the GPU machine:
   (not only those it used), each onto a distinct GPU of this host of the same chip, else
   CUDA_ERROR_INVALID_VALUE and nothing changes; without pairs its GPUs must be here;
 * a process that cannot give up or get back its device (a GPU gone from the bus) goes to
-  FAILED, from which no call moves it.
+  FAILED, from which no call moves it;
+* a process sharing device memory with another (CUDA IPC) does not answer a call while
+  that peer is locked or checkpointed (NVIDIA/cuda-checkpoint#30: it waits until the peer
+  is unlocked, with no error and no timeout), and its checkpoint does not complete while
+  that peer runs (#45): such a tree cannot be checkpointed before driver 610.
 
 The rules are carried out by the process side, ``fake_cuda_process.py``, where the state
 lives; the calls reach it through ``fake_gpu_state.py``.
