@@ -68,7 +68,7 @@ def test_ranks_on_several_hosts_keep_the_interfaces_their_placement_chose():
 
 
 def test_a_recipe_that_turns_a_shared_memory_transport_back_on_is_refused():
-    with pytest.raises(RequestError, match=r"NCCL_P2P_DISABLE=0 in the recipe's environment: .* must run with NCCL_P2P_DISABLE=1"):
+    with pytest.raises(RequestError, match=r"NCCL_P2P_DISABLE=0 in the engine's environment \(the recipe's or sparkrun's\): .* must run with NCCL_P2P_DISABLE=1"):
         gpu_ranks.launch_settings(VLLM, {"NCCL_P2P_DISABLE": "0"}, adapter=VllmAdapter(), topology=topology(tp=2))
     with pytest.raises(RequestError, match=r"NCCL_SOCKET_IFNAME=eth0 .* NCCL_SOCKET_IFNAME=lo"):
         gpu_ranks.launch_settings(VLLM, {"NCCL_SOCKET_IFNAME": "eth0"}, adapter=VllmAdapter(), topology=topology(tp=2))
@@ -238,3 +238,42 @@ def test_ranks_that_share_device_memory_are_refused_at_the_lock_and_left_serving
     finally:
         api.close()
         kill_tree(unit.root_pid)
+
+
+# -- through the API: a capture of two ranks (the FAKE SGLang server on a FAKE GPU host) ---
+
+
+def two_rank_capture(port: int, env: dict[str, str] | None = None):
+    from test_fault_engine import capture_request
+
+    req = capture_request(port, name="ranks")
+    w = req.workload
+    launch = w.launch.model_copy(update={"command": w.launch.command + " --tp-size 2", "env": {**w.launch.env, **(env or {})}})
+    return req.model_copy(update={"workload": w.model_copy(update={"topology": topology(tp=2), "launch": launch})})
+
+
+def test_a_capture_of_two_ranks_launches_them_checkpointable_and_its_receipt_says_how(tmp_path, gpus):
+    from sparkrun_coldsnap import api
+    from sparkrun_coldsnap.capsule.store import CapsuleStore
+
+    out = api.capture(two_rank_capture(free_port()), store=CapsuleStore(tmp_path / "store"))
+    assert out.receipt.state == "succeeded"
+    added = out.receipt.details["driver_launch"]
+    assert added["flags"] == ["--disable-custom-all-reduce"]
+    assert {k: added["env"][k] for k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_SOCKET_IFNAME")} == {
+        "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NVLS_ENABLE": "0", "NCCL_SOCKET_IFNAME": "lo",
+    }  # fmt: skip
+    assert out.capsule is not None and out.capsule.config.workload.launch.command.endswith("--tp-size 2")  # the recipe's identity, unchanged
+
+
+def test_a_capture_whose_environment_turns_p2p_back_on_is_refused_before_anything_starts(tmp_path, gpus):
+    from test_fault_engine import fake_processes
+
+    from sparkrun_coldsnap import api
+    from sparkrun_coldsnap.capsule.store import CapsuleStore
+
+    port = free_port()
+    with pytest.raises(RequestError, match=r"NCCL_P2P_DISABLE=0 in the engine's environment") as caught:
+        api.capture(two_rank_capture(port, {"NCCL_P2P_DISABLE": "0"}), store=CapsuleStore(tmp_path / "store"))
+    assert caught.value.receipt is not None and caught.value.receipt.state == "failed"
+    assert fake_processes(port) == []

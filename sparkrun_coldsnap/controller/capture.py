@@ -93,7 +93,10 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, settings: Settings | No
         command, env = r.adapter.prepare_launch(
             w.launch.command, r.launcher.engine_env(w, r.engine_env, settings.environ), release_weights=r.driver.needs_release, native_weights=native_wanted
         )
+        launched = command, dict(env)
         command, env = r.driver.launch_settings(command, env, adapter=r.adapter, topology=w.topology)
+        if (command, env) != launched:  # what the driver needs of the launch, for whoever reads the receipt
+            rb.details["driver_launch"] = {"flags": command[len(launched[0]) :].split(), "env": {k: v for k, v in env.items() if launched[1].get(k) != v}}
         command = r.driver.launch_command(command, r.adapter, settings)
         log_path = paths.run_dir() / "logs" / ("capture-%s-%d.log" % (req.capsule.name, os.getpid()))
         log_path.unlink(missing_ok=True)

@@ -73,7 +73,7 @@ def launch_settings(command: str, env: Mapping[str, str], *, adapter: EngineAdap
     for name, value in wanted.items():
         if name in env and env[name] != value:
             raise RequestError(
-                "%s=%s in the recipe's environment: a unit of several GPU ranks must run with %s=%s to be captured "
+                "%s=%s in the engine's environment (the recipe's or sparkrun's): a unit of several GPU ranks must run with %s=%s to be captured "
                 "(its ranks may not share device memory: the CUDA checkpoint cannot carry it); remove it or use driver n580" % (name, env[name], name, value)
             )
         out[name] = value

@@ -314,6 +314,9 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--trust-remote-code", action="store_true")
     ap.add_argument("--enable-memory-saver", action="store_true")
+    ap.add_argument("--disable-custom-all-reduce", action="store_true")
+    ap.add_argument("--enable-symm-mem", action="store_true")
+    ap.add_argument("--enable-nccl-nvls", action="store_true")
     ap.add_argument("--enable-weights-cpu-backup", action="store_true")
     ap.add_argument("--log-level", default="info")
     # The fake's own.
