@@ -11,6 +11,10 @@ recorded at capture.
     python3 benchmarks/gpu/qualify.py capture   --work W --drivers n610,n580 --out OUT
     python3 benchmarks/gpu/qualify.py samples   --work W --paths n610:native,n610:recovery,n580 --samples 3 --out OUT
     python3 benchmarks/gpu/qualify.py other-gpu --work W --paths n610:native --restore-gpus 1 --out OUT
+
+``--tp 2`` runs every step on a unit of two tensor-parallel ranks (benchmarks/gpu/tp2.sh runs
+them all); the n610 driver then launches the ranks with collectives that share no device
+memory (drivers/gpu_ranks.py), and ``ranks`` reports which NCCL transports the ranks used.
 """
 
 from __future__ import annotations
@@ -73,17 +77,23 @@ ENGINE_ENV = {
     "sglang": {},
 }
 
+# Several ranks: the engine's own flag, and NCCL's account of the transport each channel uses.
+TP_FLAG = {"vllm": "--tensor-parallel-size", "sglang": "--tp"}
+RANKS_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,P2P,NET"}
 
-def workload(info: dict, driver: str, engine_site: str, extra_args: str, python: str, weights: str = "auto", engine: str = "vllm") -> rq.Workload:
+
+def workload(info: dict, driver: str, engine_site: str, extra_args: str, python: str, weights: str = "auto", engine: str = "vllm", tp: int = 1) -> rq.Workload:
+    if tp > 1:
+        extra_args = "%s %s %d" % (extra_args, TP_FLAG[engine], tp)
     command = COMMANDS[engine].format(python=python, path=info["path"], name=info["model_id"], port=PORT, extra=extra_args).strip()
     # The engine's own packages, apart from the plugin's (sparkrun pins another pydantic).
-    env = {"PYTHONPATH": engine_site, "HF_HUB_OFFLINE": "1", **ENGINE_ENV[engine]}
+    env = {"PYTHONPATH": engine_site, "HF_HUB_OFFLINE": "1", **ENGINE_ENV[engine], **(RANKS_ENV if tp > 1 else {})}
     return rq.Workload(
-        recipe="qual-%s-%s" % (engine, info["model_id"].split("-")[-1]),
+        recipe="qual-%s-%s%s" % (engine, info["model_id"].split("-")[-1], "-tp%d" % tp if tp > 1 else ""),
         engine=engine,
         runtime=engine,
         model=rq.ModelRef(id=info["model_id"], revision=info["revision"], path=info["path"]),
-        topology=rq.Topology(hosts=("localhost",), units=(rq.LaunchUnit(name="solo", host="localhost"),)),
+        topology=rq.Topology(hosts=("localhost",), tensor_parallel=tp, units=(rq.LaunchUnit(name="solo", host="localhost"),)),
         launch=rq.Launch(executor="local", command=command, env=env, port=PORT),
         driver=driver,
         weights=weights,
@@ -92,9 +102,9 @@ def workload(info: dict, driver: str, engine_site: str, extra_args: str, python:
 
 def requests_for(args, driver: str, weights: str = "auto") -> tuple[rq.CaptureRequest, rq.RestoreRequest]:
     info = model_info(args.work)
-    w = workload(info, driver, args.engine_site, args.extra_args, args.engine_python, weights, args.engine)
+    w = workload(info, driver, args.engine_site, args.extra_args, args.engine_python, weights, args.engine, args.tp)
     v = rq.ValidationSpec(prompt=PROMPT, max_tokens=16, timeout_seconds=300)
-    name = rq.CapsuleName(name="qual-%s-%s" % (args.engine, driver))
+    name = rq.CapsuleName(name="qual-%s-%s%s" % (args.engine, driver, "-tp%d" % args.tp if args.tp > 1 else ""))
     cap = rq.CaptureRequest(workload=w, validation=v, capsule=name, ready_timeout_seconds=1200)
     res = rq.RestoreRequest(workload=w, validation=v, capsule=name, on_missing="fail", workload_name="qual", ready_timeout_seconds=1200)
     return cap, res
@@ -211,9 +221,22 @@ def cmd_other_gpu(args) -> None:
     (args.out / "other-gpu.json").write_text(json.dumps(report, indent=2))
 
 
+def cmd_ranks(args) -> None:
+    """What the ranks of the last captures used, from NCCL's own log lines (NCCL_DEBUG=INFO):
+    every channel must go "via NET/Socket"; P2P, SHM or NVLS would mean memory shared between
+    ranks, which the checkpoint cannot carry."""
+    channels = engine_log_lines(" via ")
+    transports = sorted({line.split(" via ")[1].split()[0] for line in channels})
+    report = {"transports": transports, "channels": len(channels), "init": engine_log_lines("NCCL INFO NET/")[:4]}
+    (args.out / "ranks.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    if not transports or any(not t.startswith("NET/Socket") for t in transports):
+        sys.exit("ranks used %s: expected only NET/Socket" % (transports or "no channel NCCL logged"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("step", choices=("model", "capture", "samples", "other-gpu"))
+    ap.add_argument("step", choices=("model", "capture", "samples", "other-gpu", "ranks"))
     ap.add_argument("--work", type=Path, required=True, help="work directory (model, store)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     ap.add_argument("--shape", default="1.5b")
@@ -221,6 +244,7 @@ def main() -> None:
     ap.add_argument("--paths", type=lambda s: [d for d in s.split(",") if d], default=["n610:native", "n610:recovery", "n580"], help="driver[:weights] to restore by")
     ap.add_argument("--restore-gpus", default="1", help="other-gpu: CUDA_VISIBLE_DEVICES of the restoring side")
     ap.add_argument("--samples", type=int, default=3)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the unit (one GPU each)")
     ap.add_argument("--engine", choices=sorted(COMMANDS), default="vllm")
     ap.add_argument("--engine-site", default="", help="PYTHONPATH of the engine's carried packages")
     ap.add_argument("--extra-args", default="", help="more engine flags")
@@ -230,7 +254,7 @@ def main() -> None:
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    {"model": cmd_model, "capture": cmd_capture, "samples": cmd_samples, "other-gpu": cmd_other_gpu}[args.step](args)
+    {"model": cmd_model, "capture": cmd_capture, "samples": cmd_samples, "other-gpu": cmd_other_gpu, "ranks": cmd_ranks}[args.step](args)
 
 
 if __name__ == "__main__":
