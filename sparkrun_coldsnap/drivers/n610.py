@@ -187,6 +187,7 @@ class N610Driver(CriuDriver):
             "x86_64_without_cuda_ipc": "driver >= %d" % nvidia.MIN_X86,
             "aarch64": "driver >= %d" % nvidia.MIN_ARM,
             "cuda_ipc": "needs driver >= %d with processes started under the driver's checkpoint job file; unqualified: no such driver was available" % nvidia.IPC_MIN,
+            "several_ranks": "tensor/pipeline parallel > 1 in one unit: ranks launched with NCCL over sockets, no shared device memory; ordering tested against a fake of the API, not run on two GPUs (docs/gpu-ranks.md)",
         }
         return out
 
