@@ -110,8 +110,10 @@ def prepare_restore(
         with rb.phase(r.launcher.stage_phase):
             staged = r.launcher.stage(r.driver, image, staging / "units" / image.name, staging=staging, request=req)
         attempt.on_failure(staged.discard)
+        background = settings.cache_in_background
         if choice is not None:
-            choice = page_cache.cache_for_restore(cap.config, choice, req.workload.model.path, rb, progress, enabled=settings.weights_cache)
+            choice = page_cache.cache_for_restore(cap.config, choice, req.workload.model.path, rb, progress, enabled=settings.weights_cache, background=background)
+        page_cache.cache_tree_files(cap.config.units, rb, progress, enabled=settings.files_cache, background=background)
         return PreparedRestore(req, cap, r, settings, rb, staged, prepare_seconds=time.monotonic() - t, weights=choice, held_by_replaced=held)
 
 
