@@ -38,6 +38,8 @@ class Settings:
     memory_staging: Path | None = Path("/dev/shm")
     #: ``COLDSNAP_WEIGHTS_CACHE``: read the weights into the page cache during preparation.
     weights_cache: bool = True
+    #: ``COLDSNAP_WEIGHTS_MEMORY``: copy a native payload into huge-page memory during preparation.
+    weights_memory: bool = True
     #: ``COLDSNAP_FILES_CACHE``: read the files the captured tree maps into the page cache during preparation.
     files_cache: bool = True
     #: ``COLDSNAP_CACHE_IN_BACKGROUND``: preparation starts those reads and goes on without waiting for them.
@@ -85,6 +87,7 @@ class Settings:
             hf_home=_path(env["HF_HOME"]) if env.get("HF_HOME") else Path.home() / ".cache" / "huggingface",
             memory_staging=None if staging == "off" else Path(staging),
             weights_cache=env.get("COLDSNAP_WEIGHTS_CACHE", "auto").lower() not in OFF,
+            weights_memory=env.get("COLDSNAP_WEIGHTS_MEMORY", "auto").lower() not in OFF,
             files_cache=env.get("COLDSNAP_FILES_CACHE", "auto").lower() not in OFF,
             cache_in_background=env.get("COLDSNAP_CACHE_IN_BACKGROUND") == "1",
             zero_pages=env.get("COLDSNAP_ZERO_PAGES", "leave-out").lower() not in ("keep", *OFF),
