@@ -48,6 +48,8 @@ class Sample:
     bytes: dict[str, int] = field(default_factory=dict)
     #: the first token of a warm server, as recorded at capture: what validation cannot beat
     first_token_floor: float | None = None
+    #: the receipt's account of how weights and files were read (hydrate, weights_memory, ...)
+    notes: dict = field(default_factory=dict)
 
 
 class StepClock(Progress):
@@ -124,6 +126,7 @@ def run_paths(
                     name, i, r.ttft_seconds or 0.0, prepare_seconds=prepared.prepare_seconds, phases=phases,
                     validated=bool(r.receipt.validation and r.receipt.validation.passed), steps=clock.durations(restore_end),
                     bytes=phase_bytes(prepared, r.receipt), first_token_floor=prepared.capsule.config.validation.request_ttft_seconds,
+                    notes={k: r.receipt.details[k] for k in ("hydrate", "weights_memory", "weights_cache", "files_cache") if k in r.receipt.details},
                 )
             )  # fmt: skip
             progress.note("restore (%s): first token after %.2f s (prepared in %.2f s before the clock)" % (name, r.ttft_seconds or 0, prepared.prepare_seconds))

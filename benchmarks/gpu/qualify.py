@@ -191,6 +191,9 @@ def cmd_samples(args) -> None:
     measured = machine_bandwidth(args, store)
     doc = bench.document(vanilla, results, capsules=capsules, drop_cache=True, extra={"gpu": gpu, "compile_cache": "warm (filled by the captures' starts)"}, bandwidth=measured)
     path, png = bench.write(doc, args.out)
+    for s in new:
+        if s.notes:
+            print("sample %d %s: %s" % (s.index, s.path, json.dumps(s.notes)[:400]), flush=True)
     print(bench.table(doc))
     print("results: %s %s" % (path, png or ""))
 
