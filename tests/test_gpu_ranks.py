@@ -224,6 +224,17 @@ def test_two_ranks_on_two_gpus_are_captured_and_restored_with_their_ring(tmp_pat
         kill_tree(pid)
 
 
+def test_a_capsule_of_two_ranks_is_refused_at_admission_where_one_gpu_is_visible(gpus, use_settings):
+    from sparkrun_coldsnap.drivers.base import UnitImage
+
+    both = [g["uuid"] for g in gpus]
+    unit = UnitImage(name="solo", host="localhost", driver="n610", root_pid=2**22 + 1, pids=(2**22 + 1,), pid_namespace=False,
+                     driver_data={"cuda_pids": [2**22 + 1], "gpu_uuids": both, "host_gpu_uuids": both})  # fmt: skip
+    assert N610Driver().admission(unit) == []
+    use_settings(cuda_visible_devices="1")
+    assert N610Driver().admission(unit) == ["the capsule's workload used 2 GPUs but only 1 are visible here (CUDA_VISIBLE_DEVICES=1): make as many visible"]
+
+
 def test_ranks_that_share_device_memory_are_refused_at_the_lock_and_left_serving(tmp_path, gpus):
     port = free_port()
     unit = start_ranks(tmp_path, port, "--ipc")

@@ -33,13 +33,16 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.drivers import cuda_checkpoint
 from sparkrun_coldsnap.drivers.cuda_checkpoint import CheckpointApi
 from sparkrun_coldsnap.engines.base import flag_value, has_flag
-from sparkrun_coldsnap.errors import RequestError
+from sparkrun_coldsnap.errors import RequestError, RestoreError
+from sparkrun_coldsnap.host.facts import gpu_facts
 
 if TYPE_CHECKING:
     from sparkrun_coldsnap.documents.request import Topology
+    from sparkrun_coldsnap.drivers.base import UnitImage
     from sparkrun_coldsnap.engines.base import EngineAdapter
 
 #: NCCL without any transport that shares device or pinned memory between processes.
@@ -107,3 +110,20 @@ def restore(api: CheckpointApi, pids: Sequence[int], pairs: Sequence[tuple[str, 
     A failure leaves the tree unusable (some ranks may hold their device, some not): the
     caller stops it."""
     cuda_checkpoint.restore_all(api, pids, pairs)
+
+
+def gpu_problems(unit: UnitImage) -> list[str]:
+    """Admission: whether this host shows as many GPUs as the captured ranks used (and as the
+    capture host had: the restore's GPU map names every one), before anything is stopped.
+
+    The same rule the restore's GPU map applies (``cuda_checkpoint.gpu_pairs``), asked early: a
+    unit of several ranks needs several GPUs visible here."""
+    used = unit.driver_data.get("gpu_uuids", ())
+    here = [g.uuid for g in gpu_facts().gpus if g.uuid]
+    if not here:
+        return []  # the driver's tool did not list them: the restore's own check still applies
+    try:
+        cuda_checkpoint.gpu_pairs(used, unit.driver_data.get("host_gpu_uuids", used), here, cuda_checkpoint.visible_uuids(settings.current().cuda_visible_devices, here))
+    except RestoreError as err:
+        return [str(err)]
+    return []

@@ -91,7 +91,7 @@ class N610Driver(CriuDriver):
     def admission(self, unit: UnitImage, *, replacing: frozenset[int] = frozenset()) -> list[str]:
         if _lazy_wanted():
             criu_tree.lazy_pages_supported(Criu.locate())  # probed now, off the restore clock
-        return criu_tree.restore_problems(unit, replacing=replacing)
+        return criu_tree.restore_problems(unit, replacing=replacing) + gpu_ranks.gpu_problems(unit)
 
     def warm_up(self, unit: UnitImage) -> cuda_checkpoint.HelperProcess:
         # The helper's CUDA initialization takes seconds: let it happen before the clock starts.
