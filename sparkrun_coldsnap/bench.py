@@ -79,7 +79,7 @@ def phase_bytes(prepared: controller.PreparedRestore, receipt) -> dict[str, int]
         "prepare.stage": sum(d.size for d in layers),
         "restore": sum(int((d.annotations or {}).get(A_UNPACKED_SIZE, d.size)) for d in layers),
     }
-    for key in ("weights_cache", "files_cache"):
+    for key in ("weights_memory", "weights_cache", "files_cache"):
         read = (receipt.details.get(key) or {}).get("bytes")
         if read:
             out["prepare." + key] = int(read)
@@ -157,7 +157,7 @@ def _medians(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
 #: which of the machine's bandwidths bounds each phase (hydration: host to device where it
 #: was measured, else the page cache it copies from; a cold one reads the disk)
 BOUND_BY = {
-    "prepare.stage": "disk_read", "prepare.weights_cache": "disk_read", "prepare.files_cache": "disk_read",
+    "prepare.stage": "disk_read", "prepare.weights_cache": "disk_read", "prepare.files_cache": "disk_read", "prepare.weights_memory": "disk_read",
     "restore": "memory_write", "hydrate": "host_to_device",
 }  # fmt: skip
 
@@ -172,7 +172,7 @@ def rates(path: Mapping, bandwidth: Mapping[str, float], first_token_floor: floa
         bound = BOUND_BY.get(name)
         if name == "hydrate" and "host_to_device" not in bandwidth:
             bound = "page_cache_read"
-        if name == "hydrate" and "prepare.weights_cache" not in moved and "disk_read" in bandwidth:
+        if name == "hydrate" and not {"prepare.weights_cache", "prepare.weights_memory"} & set(moved) and "disk_read" in bandwidth:
             bound = "disk_read"  # nothing was read ahead: hydration reads the disk
         seconds = phases.get(name)
         row = {"bytes": nbytes, "seconds": seconds, "rate": nbytes / seconds if seconds else None, "bound_by": bound, "machine": bandwidth.get(bound or "")}
