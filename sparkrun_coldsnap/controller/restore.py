@@ -72,12 +72,17 @@ def held_by_replaced(cap: Capsule, r: Resolved, problems: list[str], replacing: 
 
 def prepare_restore(
     req: RestoreRequest, *, store: CapsuleStore, settings: Settings | None = None, progress: Progress = QUIET, replacing: frozenset[int] = frozenset(),
+    staged_at: Path | None = None,
 ) -> PreparedRestore:  # fmt: skip
     """Admission and staging: everything that can fail before the old workload is stopped.
 
     *replacing* is the PIDs of the workload this restore replaces: the captured PIDs and shared
     files they hold are freed when it is stopped, which happens after staging and before the
-    restore; they are named in the result (``held_by_replaced``) and the receipt, not refused."""
+    restore; they are named in the result (``held_by_replaced``) and the receipt, not refused.
+
+    *staged_at*: a staging directory where the capsule's layers were already unpacked and
+    verified (a warm restore, :mod:`sparkrun_coldsnap.lifecycle.warm`); admission runs again,
+    the unpacking does not."""
     settings = settings or settings_mod.current()
     rb = ReceiptBuilder("restore", request_sha256=req.digest())
     rb.capsule_ref = req.capsule.ref
@@ -99,13 +104,13 @@ def prepare_restore(
             held = held_by_replaced(cap, r, problems, replacing)
             if held:
                 rb.details["held_by_replaced_workload"] = list(held)
-        total = sum(d.size for d in cap.layers)
-        unpacked = sum(int((d.annotations or {}).get(media.A_UNPACKED_SIZE, d.size)) for d in cap.layers)
-        staging = new_restore_staging(store, unpacked)
-        attempt.on_failure(lambda: paths.remove_staging(staging))
-        with rb.phase("prepare.stage"), progress.transfer("verifying and unpacking capsule %s" % req.capsule.ref, total) as tick:
-            for d in cap.layers:
-                unpack_layer(store, d, staging / "units", tick=tick)
+        if staged_at is None:
+            staging = new_restore_staging(store, unpacked_size(cap))
+            attempt.on_failure(lambda: paths.remove_staging(staging))
+            unpack_capsule(store, cap, staging, rb, progress)
+        else:
+            staging = staged_at
+            rb.details["staged_ahead"] = True
         image = cap.config.units[0]
         with rb.phase(r.launcher.stage_phase):
             staged = r.launcher.stage(r.driver, image, staging / "units" / image.name, staging=staging, request=req)
@@ -113,6 +118,17 @@ def prepare_restore(
         if choice is not None:
             choice = page_cache.cache_for_restore(cap.config, choice, req.workload.model.path, rb, progress, enabled=settings.weights_cache)
         return PreparedRestore(req, cap, r, settings, rb, staged, prepare_seconds=time.monotonic() - t, weights=choice, held_by_replaced=held)
+
+
+def unpacked_size(cap: Capsule) -> int:
+    return sum(int((d.annotations or {}).get(media.A_UNPACKED_SIZE, d.size)) for d in cap.layers)
+
+
+def unpack_capsule(store: CapsuleStore, cap: Capsule, staging: Path, rb: ReceiptBuilder, progress: Progress) -> None:
+    """Verify and unpack every layer of *cap* into *staging*."""
+    with rb.phase("prepare.stage"), progress.transfer("verifying and unpacking capsule %s" % (cap.ref or cap.digest), sum(d.size for d in cap.layers)) as tick:
+        for d in cap.layers:
+            unpack_layer(store, d, staging / "units", tick=tick)
 
 
 def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Progress = QUIET) -> ServingOutcome:

@@ -112,6 +112,22 @@ class EngineAdapter(ABC):
         """Bring weights back after restore by *path*: recovery (from *model_dir*) or native (from *native_dir*);
         *cached*: preparation read the files into the page cache (so direct I/O would go around it)."""
 
+    # -- sleeping in place (lifecycle) ---------------------------------
+
+    #: what ``sleep`` can do: 1 keeps the weights in host memory and drops the KV cache, 2 drops
+    #: both (the weights come back from the model files on ``wake``). Empty: the engine cannot sleep.
+    sleep_levels: ClassVar[tuple[int, ...]] = ()
+
+    def sleep(self, endpoint: Endpoint, level: int) -> None:
+        """Release accelerator memory in place at *level* (one of ``sleep_levels``)."""
+        if level not in self.sleep_levels:
+            raise EngineError("%s cannot sleep at level %d (its levels: %s)" % (self.name, level, ", ".join(map(str, self.sleep_levels)) or "none"))
+        self.release_memory(endpoint)
+
+    def wake(self, endpoint: Endpoint, level: int, *, model_dir: str) -> HydrationResult:
+        """Take back what ``sleep`` at *level* released; weights dropped come back from *model_dir*."""
+        return self.hydrate(endpoint, path="recovery", model_dir=model_dir)
+
     def export_native(self, endpoint: Endpoint, directory: str) -> tuple[dict[str, Any], ...]:
         """Have the serving engine write its loaded weights to *directory* (one file set per worker)."""
         raise EngineError("%s cannot write a native weight payload: use weights: recovery" % self.name)
