@@ -124,6 +124,10 @@ class EngineAdapter(ABC):
             raise EngineError("%s cannot sleep at level %d (its levels: %s)" % (self.name, level, ", ".join(map(str, self.sleep_levels)) or "none"))
         self.release_memory(endpoint)
 
+    def is_sleeping(self, endpoint: Endpoint) -> bool | None:
+        """Whether the engine says it is asleep (None: it has no way to say)."""
+        return None
+
     def wake(self, endpoint: Endpoint, level: int, *, model_dir: str) -> HydrationResult:
         """Take back what ``sleep`` at *level* released; weights dropped come back from *model_dir*."""
         return self.hydrate(endpoint, path="recovery", model_dir=model_dir)

@@ -61,6 +61,15 @@ class VllmAdapter(EngineAdapter):
             raise EngineError("vLLM sleeps at level 1 or 2, not %d" % level)
         post(endpoint.base_url + "/sleep?level=%d" % level, what="vLLM sleep (level %d)" % level)
 
+    def is_sleeping(self, endpoint: Endpoint) -> bool | None:
+        import requests
+
+        try:
+            r = requests.get(endpoint.base_url + "/is_sleeping", timeout=10)
+            return bool(r.json()["is_sleeping"]) if r.status_code == 200 else None
+        except (requests.RequestException, ValueError, KeyError, TypeError):
+            return None
+
     def wake(self, endpoint: Endpoint, level: int, *, model_dir: str) -> HydrationResult:
         if level == 1:
             # Level 1 kept the weights in host memory: waking copies them back, no files are read.

@@ -62,7 +62,7 @@ def row(rec: WorkloadRecord) -> dict[str, Any]:
         "port": rec.port,
         "root_pid": rec.root_pid if alive else None,
         "host_memory_bytes": host_memory(rec.root_pid) if alive else 0,
-        "gpu_memory_bytes": gpu_memory(rec.root_pid) if alive else 0,
+        "gpu_memory_bytes": gpu_memory(rec.root_pid) if alive else None,
         "sleep_level": rec.sleep_level,
         "warm": {"staged_bytes": staged_bytes(rec), "expires_at": rec.warm.expires_at, "weights_cached": rec.warm.weights_cached} if rec.warm else None,
         "transition": rec.transition.model_dump() if rec.transition else None,
@@ -75,9 +75,10 @@ def status(spec: str | None = None, where: verbs.Where = verbs.Where()) -> list[
     """Rows for *spec* (a recipe or a workload name), else for every managed workload; interrupted
     transitions are settled first, expired warm restores released."""
     if spec:
-        chosen = [verbs.locate(spec, where)]  # releases expired warm restores too
+        chosen = [verbs.locate(spec, where)]  # releases expired warm restores and forgets stopped workloads too
     else:
         verbs.release_expired()
+        verbs.forget_stopped()
         chosen = records.all_records()
     out = []
     for rec in chosen:
@@ -95,7 +96,7 @@ def describe(r: dict[str, Any]) -> str:
     """One workload in a few lines, for people."""
     mib = 1024 * 1024
     held = "host %d MiB" % (r["host_memory_bytes"] // mib)
-    if r["gpu_memory_bytes"] is not None:
+    if r["gpu_memory_bytes"]:
         held += ", GPU %d MiB" % (r["gpu_memory_bytes"] // mib)
     state = r["state"] + (" (level %d)" % r["sleep_level"] if r["sleep_level"] else "")
     if r["transition"]:

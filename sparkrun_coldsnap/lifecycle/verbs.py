@@ -76,6 +76,7 @@ def is_recipe(spec: str) -> bool:
 def locate(spec: str, where: Where = Where()) -> WorkloadRecord:
     """The record of the workload *spec* names: a recipe (placed as ``sparkrun run`` places it) or a workload name."""
     release_expired()
+    forget_stopped()
     if not is_recipe(spec):
         return records.require(spec)
     from sparkrun_coldsnap.integration import placement, planning
@@ -147,7 +148,7 @@ def sleep(spec: str, *, level: int | None = None, where: Where = Where()) -> tup
     rb.capsule_ref = rec.capsule_ref
     rb.details.update(workload=rec.workload, level=level)
     try:
-        with transition(rec, "sleep", on_failure=_unknown_if_alive) as t, Attempt(rb):
+        with transition(rec, "sleep", on_failure=lambda r, e: _as_the_engine_says(r, e, level)) as t, Attempt(rb):
             with rb.phase("release_memory"):
                 adapter.sleep(endpoint_of(rec), level)
             receipt = finish(rb, None)
@@ -157,11 +158,16 @@ def sleep(spec: str, *, level: int | None = None, where: Where = Where()) -> tup
         raise
 
 
-def _unknown_if_alive(rec: WorkloadRecord, err: BaseException) -> dict:
-    """A sleep or wake that failed halfway leaves the engine's memory in a state nobody knows."""
+def _as_the_engine_says(rec: WorkloadRecord, err: BaseException, level: int | None) -> dict:
+    """A sleep or wake that failed: the state the engine reports, or failed when it cannot say."""
     if isinstance(err, records.Busy) or rec.transition is None:
         return {}
-    return {"state": "failed"}
+    if isinstance(err, ValidationError):
+        return {"state": "failed"}  # awake, but not answering as it did
+    asleep = extensions.registry().engine(rec.engine).is_sleeping(endpoint_of(rec))
+    if asleep is None:
+        return {"state": "failed"}
+    return {"state": "sleeping", "sleep_level": level} if asleep else {"state": "active", "sleep_level": None}
 
 
 def _wake_in_place(rec: WorkloadRecord) -> tuple[WorkloadRecord, Receipt]:
@@ -172,7 +178,7 @@ def _wake_in_place(rec: WorkloadRecord) -> tuple[WorkloadRecord, Receipt]:
     rb.capsule_ref = rec.capsule_ref
     rb.details.update(workload=rec.workload, level=rec.sleep_level, source="sleeping")
     try:
-        with transition(rec, "wake", on_failure=_unknown_if_alive) as t, Attempt(rb):
+        with transition(rec, "wake", on_failure=lambda r, e: _as_the_engine_says(r, e, rec.sleep_level)) as t, Attempt(rb):
             t0 = time.monotonic()
             with rb.phase("wake"):
                 woke = adapter.wake(endpoint, rec.sleep_level or 2, model_dir=rec.model_dir or "")
@@ -290,6 +296,22 @@ def _release(rec: WorkloadRecord, because: str) -> WorkloadRecord:
         if t.rec.warm is not None:
             warm.release_dir(t.rec.warm.staging)
         return t.done(state="hibernated", warm=None, note=because)
+
+
+def forget_stopped() -> list[str]:
+    """Forget active or sleeping workloads whose process is gone (``sparkrun stop`` ended them)."""
+    out = []
+    for rec in records.all_records():
+        if rec.state in ("active", "sleeping") and rec.transition is None and not settle.process_alive(rec.root_pid):
+            try:
+                with records.locked(rec.workload):
+                    now = records.load(rec.workload)
+                    if now is not None and now.transition is None and not settle.process_alive(now.root_pid):
+                        records.remove(rec.workload)
+                        out.append(rec.workload)
+            except records.Busy:
+                continue
+    return out
 
 
 def release_expired() -> list[str]:
