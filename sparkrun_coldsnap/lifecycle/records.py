@@ -1,6 +1,6 @@
 """One record per managed workload on disk, and the lock that makes its transitions one at a time.
 
-``<COLDSNAP_HOME>/run/lifecycle/<workload>.json`` says what the workload is (its recipe, engine,
+``<COLDSNAP_HOME>/run/lifecycle/<workload>.json`` (or under ``COLDSNAP_LIFECYCLE_DIR``) says what the workload is (its recipe, engine,
 driver, port, the capsule it came from), its state and since when, and, while a verb runs, the
 transition in flight with the PID running it. It is replaced atomically (written aside, renamed),
 so a reader sees the state before or after a write, never half of one.
@@ -24,6 +24,7 @@ from typing import Any
 from pydantic import Field
 from pydantic import ValidationError as PydanticValidationError
 
+from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.documents.strict import Strict, one_line
 from sparkrun_coldsnap.errors import ColdsnapError, NotFoundError, RequestError, StoreError
 from sparkrun_coldsnap.host import paths
@@ -87,7 +88,7 @@ def now_iso() -> str:
 
 
 def records_dir() -> Path:
-    return paths.run_dir() / "lifecycle"
+    return settings.current().lifecycle_dir or paths.run_dir() / "lifecycle"
 
 
 def _safe(workload: str) -> str:

@@ -76,11 +76,15 @@ def move(verb: str, source: State, *, workload: str) -> Move:
     raise RequestError("cannot %s workload %s: %s" % (verb, workload, why), code="lifecycle.not_allowed")
 
 
+#: what a person types for a verb that is not a ``sparkrun coldsnap`` verb of its own name
+LABELS = {"activate": "sparkrun run", "release": "warm --release, or its time is up"}
+
+
 def diagram() -> str:
     """The moves as a mermaid state diagram (the user guide's is checked against it)."""
     lines = ["stateDiagram-v2", "    [*] --> active: sparkrun run"]
     for m in MOVES:
-        lines.append("    %s --> %s: %s" % (m.source, m.target, m.verb if m.verb != "activate" else "sparkrun run"))
+        lines.append("    %s --> %s: %s" % (m.source, m.target, LABELS.get(m.verb, m.verb)))
     lines.append("    failed --> active: sparkrun run")
     lines.append("    active --> [*]: sparkrun stop")
     return "\n".join(lines)
