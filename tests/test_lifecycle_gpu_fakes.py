@@ -31,13 +31,6 @@ NAME = "sparkrun_feedfacecafebeef_0123456789ab_solo"
 PROMPT = "Reply with one short sentence: what is a cold start?"
 
 
-@pytest.fixture
-def home(tmp_path, use_settings, monkeypatch) -> Path:
-    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "home"))
-    use_settings(home=tmp_path / "home")
-    return tmp_path / "home"
-
-
 def model_dir(tmp_path: Path) -> Path:
     d = tmp_path / "model"
     d.mkdir()
@@ -97,14 +90,14 @@ class Server:
 
 
 @pytest.fixture
-def vllm(tmp_path, home):
+def vllm(tmp_path, lifecycle_home):
     s = Server("vllm", tmp_path, "--enable-sleep-mode")
     yield s
     s.stop()
 
 
 @pytest.fixture
-def sglang(tmp_path, home):
+def sglang(tmp_path, lifecycle_home):
     s = Server("sglang", tmp_path, "--enable-memory-saver")
     yield s
     s.stop()
@@ -140,7 +133,7 @@ def test_vllm_level_2_wakes_by_reloading_the_weights_and_answers_as_before(vllm)
     ]  # fmt: skip
 
 
-def test_a_vllm_started_without_sleep_mode_refuses_and_stays_active_with_the_engines_reason(tmp_path, home):
+def test_a_vllm_started_without_sleep_mode_refuses_and_stays_active_with_the_engines_reason(tmp_path, lifecycle_home):
     s = Server("vllm", tmp_path)  # no --enable-sleep-mode
     try:
         s.record()

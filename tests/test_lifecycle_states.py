@@ -24,13 +24,6 @@ from sparkrun_coldsnap.lifecycle.records import Transition, WorkloadRecord, now_
 NAME = "sparkrun_0123456789abcdef_fedcba987654_solo"
 
 
-@pytest.fixture
-def home(tmp_path, use_settings, monkeypatch) -> Path:
-    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "home"))
-    use_settings(home=tmp_path / "home")
-    return tmp_path / "home"
-
-
 def record(**changes) -> WorkloadRecord:
     base = dict(
         workload=NAME, recipe="/recipes/tiny.yaml", capsule_name="tiny", store="/store", engine="vllm", driver="n610", executor="local", port=8000,
@@ -106,7 +99,7 @@ def test_the_user_guide_draws_the_state_machine_the_code_has():
 # -- records and the lock ------------------------------------------------------------------
 
 
-def test_a_record_round_trips_and_a_missing_workload_names_the_ones_that_are_managed(home):
+def test_a_record_round_trips_and_a_missing_workload_names_the_ones_that_are_managed(lifecycle_home):
     records.save(record())
     assert records.require(NAME) == record().model_copy(update={"since": records.require(NAME).since})
     with pytest.raises(NotFoundError) as err:
@@ -114,7 +107,7 @@ def test_a_record_round_trips_and_a_missing_workload_names_the_ones_that_are_man
     assert "no workload sparkrun_nope_solo is managed here (managed: %s)" % NAME in err.value.message
 
 
-def test_a_damaged_record_is_named_with_the_fix(home):
+def test_a_damaged_record_is_named_with_the_fix(lifecycle_home):
     records.records_dir().mkdir(parents=True)
     records.record_path(NAME).write_text('{"format": 1, "state": "dozing"}')
     with pytest.raises(Exception) as err:
@@ -140,9 +133,9 @@ def holder(home: Path, verb: str) -> subprocess.Popen:
     return p
 
 
-def test_a_second_transition_on_the_same_workload_is_refused_at_once_naming_the_first(home):
+def test_a_second_transition_on_the_same_workload_is_refused_at_once_naming_the_first(lifecycle_home):
     records.save(record(state="hibernated", root_pid=None))
-    first = holder(home, "warm")
+    first = holder(lifecycle_home, "warm")
     try:
         t = time.monotonic()
         with pytest.raises(records.Busy) as err, settle.transition(NAME, "wake", capsule_present=always, drop_staging=nothing):
@@ -156,9 +149,9 @@ def test_a_second_transition_on_the_same_workload_is_refused_at_once_naming_the_
         first.wait()
 
 
-def test_a_transition_killed_midway_is_settled_by_the_next_command_with_a_note(home):
+def test_a_transition_killed_midway_is_settled_by_the_next_command_with_a_note(lifecycle_home):
     records.save(record(state="active", root_pid=os.getpid()))
-    crashed = holder(home, "hibernate")
+    crashed = holder(lifecycle_home, "hibernate")
     os.kill(crashed.pid, signal.SIGKILL)
     crashed.wait()
     rec = records.require(NAME)
@@ -191,7 +184,7 @@ def test_an_interrupted_transition_settles_into_the_state_that_is_true(verb, sou
         assert "sparkrun run" in note  # what to do
 
 
-def test_a_failed_verb_leaves_the_state_it_started_from_and_says_why(home):
+def test_a_failed_verb_leaves_the_state_it_started_from_and_says_why(lifecycle_home):
     records.save(record(state="active"))
     with pytest.raises(RuntimeError), settle.transition(NAME, "hibernate", capsule_present=always, drop_staging=nothing):
         raise RuntimeError("criu dump failed")
@@ -200,7 +193,7 @@ def test_a_failed_verb_leaves_the_state_it_started_from_and_says_why(home):
     assert rec.note == "hibernate failed: criu dump failed"
 
 
-def test_a_settled_warm_drops_its_kept_images(home, tmp_path):
+def test_a_settled_warm_drops_its_kept_images(lifecycle_home, tmp_path):
     staging = tmp_path / "kept"
     (staging / "units" / "solo").mkdir(parents=True)
     warm = records.WarmRestore(capsule_ref="tiny:h", capsule_digest="sha256:0", staging=str(staging), images=str(staging / "units" / "solo"), expires_at=now_iso())

@@ -35,20 +35,8 @@ mkdir -p "$RESULTS"
 STEPS="$RESULTS/lifecycle-$ENGINE-steps.tsv"
 : > "$STEPS"
 
-now() { date +%s.%N; }
-step() {
-  local name=$1; shift
-  echo "==> $name: $*"
-  local t0 rc t
-  t0=$(now)
-  "$@" 2>&1
-  rc=$?
-  t=$(echo "$(now) $t0" | awk '{printf "%.2f", $1 - $2}')
-  echo "<== $name: ${t} s (exit $rc)"
-  printf '%s\t%s\t%s\t%s\n' "$name" "$t" "$rc" "$(gpu_mib)" >> "$STEPS"
-  return $rc
-}
-gpu_mib() { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | awk '{s += $1} END {print s + 0}' || echo "?"; }
+# now, step NAME CMD..., gpu_mib
+. "$(dirname "$0")/steps.sh"
 state() { sparkrun coldsnap status "$RECIPE" 2>&1; }
 
 echo "lifecycle, $ENGINE, $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"

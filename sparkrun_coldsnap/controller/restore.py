@@ -70,6 +70,28 @@ def held_by_replaced(cap: Capsule, r: Resolved, problems: list[str], replacing: 
     return tuple(p for unit in cap.config.units for p in r.driver.admission(unit) if p not in problems)
 
 
+def open_and_admit(
+    req: RestoreRequest, store: CapsuleStore, settings: Settings, rb: ReceiptBuilder, *, replacing: frozenset[int] = frozenset(),
+) -> tuple[Capsule, Resolved, weight_paths.WeightChoice | None, tuple[str, ...]]:  # fmt: skip
+    """Open capsule ``req.capsule`` (verified) and admit it here; also what the replaced workload holds that it needs."""
+    with rb.phase("prepare.open"):
+        store.check_trusted()
+        cap = capsule_mod.open_capsule(store, req.capsule.ref)
+        rb.capsule = cap.digest
+    with rb.phase("prepare.admission"):
+        require_one_unit(req.workload, "restore")
+        r = resolve(req.workload, settings)
+        if cap.config.driver != r.driver.name:
+            raise CompatibilityError("capsule %s was captured with driver %s, the recipe asks for %s" % (req.capsule.ref, cap.config.driver, r.driver.name))
+        problems, choice = check_admission(cap, req, r, replacing=replacing)
+        if problems:
+            raise CompatibilityError("admission refused for capsule %s: %s" % (req.capsule.ref, "; ".join(problems)))
+        held = held_by_replaced(cap, r, problems, replacing)
+        if held:
+            rb.details["held_by_replaced_workload"] = list(held)
+    return cap, r, choice, held
+
+
 def prepare_restore(
     req: RestoreRequest, *, store: CapsuleStore, settings: Settings | None = None, progress: Progress = QUIET, replacing: frozenset[int] = frozenset(),
     staged_at: Path | None = None,
@@ -89,21 +111,7 @@ def prepare_restore(
     rb.secrets = req.workload.secret_values()
     t = time.monotonic()
     with settings_mod.using(settings), Attempt(rb) as attempt:
-        with rb.phase("prepare.open"):
-            store.check_trusted()
-            cap = capsule_mod.open_capsule(store, req.capsule.ref)
-            rb.capsule = cap.digest
-        with rb.phase("prepare.admission"):
-            require_one_unit(req.workload, "restore")
-            r = resolve(req.workload, settings)
-            if cap.config.driver != r.driver.name:
-                raise CompatibilityError("capsule %s was captured with driver %s, the recipe asks for %s" % (req.capsule.ref, cap.config.driver, r.driver.name))
-            problems, choice = check_admission(cap, req, r, replacing=replacing)
-            if problems:
-                raise CompatibilityError("admission refused for capsule %s: %s" % (req.capsule.ref, "; ".join(problems)))
-            held = held_by_replaced(cap, r, problems, replacing)
-            if held:
-                rb.details["held_by_replaced_workload"] = list(held)
+        cap, r, choice, held = open_and_admit(req, store, settings, rb, replacing=replacing)
         if staged_at is None:
             staging = new_restore_staging(store, unpacked_size(cap))
             attempt.on_failure(lambda: paths.remove_staging(staging))

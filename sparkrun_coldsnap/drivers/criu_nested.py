@@ -98,18 +98,4 @@ def dump(criu: Criu, root_pid: int, init_pid: int, images: Path, *, unit: str, h
         saved = criu_tree._save_shared(images, [Path(view + p) for p in shared] + remaps, owner_gone=True, view=view)
     finally:
         kill_tree(root_pid, grace=0.0)  # stopped by CRIU: nothing to shut down gracefully
-    size = sum(f.stat().st_size for f in images.rglob("*") if f.is_file())
-    return UnitImage(
-        name=unit,
-        host=host,
-        driver=driver,
-        root_pid=pids[0],
-        pids=pids,
-        pid_namespace=False,
-        log_resource=resource,
-        shared_files=tuple(saved),
-        tcp_established=tcp,
-        listening_ports=listening,
-        image_bytes=size,
-        criu_version=criu.version,
-    )
+    return criu_tree.unit_image(criu, images, unit=unit, host=host, driver=driver, pids=pids, resource=resource, saved=saved, tcp=tcp, listening=listening)

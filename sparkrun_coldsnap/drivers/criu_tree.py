@@ -101,12 +101,20 @@ def dump(
         )
     remaps = sorted(_listing(dirs) - before)
     saved = _save_shared(images, [Path(p) for p in shared] + remaps, owner_gone=not leave_running)
+    return unit_image(criu, images, unit=unit, host=host, driver=driver, pids=pids, resource=resource, saved=saved, tcp=tcp, listening=listening)
+
+
+def unit_image(
+    criu: Criu, images: Path, *, unit: str, host: str, driver: str, pids: tuple[int, ...], resource: str | None, saved: list[SharedFile], tcp: bool,
+    listening: tuple[int, ...],
+) -> UnitImage:  # fmt: skip
+    """What a dump recorded about the tree (*pids*, root first, as the images number them)."""
     size = sum(f.stat().st_size for f in images.rglob("*") if f.is_file())
     return UnitImage(
         name=unit,
         host=host,
         driver=driver,
-        root_pid=root_pid,
+        root_pid=pids[0],
         pids=pids,
         pid_namespace=False,
         log_resource=resource,

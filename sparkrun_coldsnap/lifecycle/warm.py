@@ -21,15 +21,13 @@ import datetime as dt
 import shutil
 from pathlib import Path
 
-from sparkrun_coldsnap.capsule import capsule as capsule_mod
 from sparkrun_coldsnap.capsule.store import CapsuleStore
-from sparkrun_coldsnap.controller.common import Attempt, finish, resolve
-from sparkrun_coldsnap.controller.restore import PreparedRestore, check_admission, prepare_restore, unpack_capsule, unpacked_size
+from sparkrun_coldsnap.controller.common import Attempt, finish
+from sparkrun_coldsnap.controller.restore import PreparedRestore, open_and_admit, prepare_restore, unpack_capsule, unpacked_size
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder
 from sparkrun_coldsnap.documents.request import RestoreRequest
 from sparkrun_coldsnap.documents.settings import Settings
-from sparkrun_coldsnap.errors import CompatibilityError
 from sparkrun_coldsnap.host import disk_room
 from sparkrun_coldsnap.lifecycle.records import WarmRestore
 from sparkrun_coldsnap.progress import QUIET, Progress
@@ -58,17 +56,7 @@ def prepare_ahead(
     rb = ReceiptBuilder("warm", request_sha256=req.digest())
     rb.capsule_ref = req.capsule.ref
     with settings_mod.using(settings), Attempt(rb) as attempt:
-        with rb.phase("prepare.open"):
-            store.check_trusted()
-            cap = capsule_mod.open_capsule(store, req.capsule.ref)
-            rb.capsule = cap.digest
-        with rb.phase("prepare.admission"):
-            r = resolve(req.workload, settings)
-            if cap.config.driver != r.driver.name:
-                raise CompatibilityError("capsule %s was captured with driver %s, the recipe asks for %s" % (req.capsule.ref, cap.config.driver, r.driver.name))
-            problems, choice = check_admission(cap, req, r)
-            if problems:
-                raise CompatibilityError("admission refused for capsule %s: %s" % (req.capsule.ref, "; ".join(problems)))
+        cap, _, choice, _ = open_and_admit(req, store, settings, rb)
         staging = warm_root(store, settings, unpacked_size(cap)) / workload
         release_dir(staging)  # what an interrupted warm of this workload left
         staging.mkdir(parents=True)
