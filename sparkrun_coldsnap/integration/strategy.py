@@ -144,18 +144,19 @@ class Strategy:
             run_hooks.failed(plan.request)
             _write_failure_receipt(context, err)
             raise RuntimeError(str(err)) from None
-        opts = context.execution.options
-        recipe = opts.recipe if isinstance(opts.recipe, str) else source_of(opts.recipe)
-        run_hooks.activated(
-            plan.request, done.outcome.receipt, done.outcome.root_pid, recipe=str(Path(recipe).resolve()) if Path(recipe).is_file() else recipe, hosts=opts.hosts,
-            cluster=opts.cluster if isinstance(opts.cluster, str | None) else getattr(opts.cluster, "name", None), overrides=dict(opts.overrides or {}), store=plan.store,
-        )  # fmt: skip
         for receipt in done.receipts:
             _write_receipt(context, receipt)
         out = done.outcome
         if local:
             register_local(name, out.root_pid)  # containers carry sparkrun's name and labels instead
-        _write_receipt(context, out.receipt)
+        written = _write_receipt(context, out.receipt)
+        opts = context.execution.options
+        recipe = opts.recipe if isinstance(opts.recipe, str) else source_of(opts.recipe)
+        run_hooks.activated(
+            plan.request, out.receipt, out.root_pid, recipe=str(Path(recipe).resolve()) if Path(recipe).is_file() else recipe, hosts=opts.hosts,
+            cluster=opts.cluster if isinstance(opts.cluster, str | None) else getattr(opts.cluster, "name", None), overrides=dict(opts.overrides or {}), store=plan.store,
+            receipt_path=written,
+        )  # fmt: skip
         ttft = "%.2f" % (out.ttft_seconds or 0)
         if done.how == "vanilla":
             _say("vanilla start answered after %.1f s" % (out.ttft_seconds or 0))
@@ -329,11 +330,14 @@ def _receipt_place(context: Any) -> tuple[Path | None, Path, str]:
     return Path(explicit) if explicit else None, store_for(context).receipts, name
 
 
-def _write_receipt(context: Any, receipt: Receipt) -> None:
+def _write_receipt(context: Any, receipt: Receipt) -> Path | None:
     try:
-        _say("receipt: %s" % save_receipt(receipt, *_receipt_place(context)))
+        path = save_receipt(receipt, *_receipt_place(context))
     except ColdsnapError as err:
         _say("could not write the receipt: %s" % err)
+        return None
+    _say("receipt: %s" % path)
+    return path
 
 
 def _write_failure_receipt(context: Any, err: ColdsnapError) -> None:

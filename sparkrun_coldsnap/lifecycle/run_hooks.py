@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 from typing import Any
 
 from sparkrun_coldsnap import extensions
@@ -63,7 +64,10 @@ def before_prepare(req: RestoreRequest, store: CapsuleStore, settings: Settings,
         raise
 
 
-def activated(req: RestoreRequest, receipt: Receipt, root_pid: int, *, recipe: str, hosts: Any, cluster: str | None, overrides: dict[str, Any], store: CapsuleStore) -> None:
+def activated(
+    req: RestoreRequest, receipt: Receipt, root_pid: int, *, recipe: str, hosts: Any, cluster: str | None, overrides: dict[str, Any], store: CapsuleStore,
+    receipt_path: Path | None,
+) -> None:  # fmt: skip
     """Record *req*'s workload active (the restore or vanilla start that *receipt* describes)."""
     try:
         w = req.workload
@@ -79,6 +83,7 @@ def activated(req: RestoreRequest, receipt: Receipt, root_pid: int, *, recipe: s
                 capsule_ref=req.capsule.ref if receipt.capsule else None, capsule_digest=receipt.capsule,
                 validation_prompt=req.validation.prompt, validation_max_tokens=req.validation.max_tokens,
                 expected_reply=receipt.validation.reply if receipt.validation else None,
+                last_receipt=str(receipt_path) if receipt_path else None,
                 transition=old.transition if old is not None and old.transition is not None and old.transition.verb == "wake" else None,
             )
         )  # fmt: skip
