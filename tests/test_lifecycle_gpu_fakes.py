@@ -221,3 +221,17 @@ def test_sparkruns_workload_lifecycle_api_finds_the_provider_and_drives_sleep_an
     assert lifecycle_provider.control("status", job)["state"] == "sleeping"
     assert lifecycle_provider.control("wake", job)["state"] == "active"
     assert vllm.reply() == records.require(NAME).expected_reply
+
+
+def test_a_vllm_without_the_development_endpoints_refuses_sleep_and_stays_active(tmp_path, lifecycle_home):
+    s = Server("vllm", tmp_path, dev_mode=False)  # a vanilla start: no VLLM_SERVER_DEV_MODE, no /sleep, no /is_sleeping
+    try:
+        s.record()
+        with pytest.raises(EngineError) as err:
+            verbs.sleep(NAME, level=1)
+        assert "HTTP 404" in err.value.message
+        rec = records.require(NAME)
+        assert rec.state == "active" and rec.transition is None
+        assert s.reply() == rec.expected_reply
+    finally:
+        s.stop()

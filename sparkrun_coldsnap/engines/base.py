@@ -153,5 +153,7 @@ def post(url: str, *, json_body: Any = None, timeout: float = 600.0, what: str, 
     except requests.RequestException as err:
         raise EngineError("%s failed: %s" % (what, err)) from err
     if require_2xx and not 200 <= r.status_code < 300:
-        raise EngineError("%s failed: HTTP %d: %s" % (what, r.status_code, r.text[:300]))
+        refused = EngineError("%s failed: HTTP %d: %s" % (what, r.status_code, r.text[:300]))
+        refused.http_status = r.status_code  # the engine answered: it refused, it did not break mid-way
+        raise refused
     return r

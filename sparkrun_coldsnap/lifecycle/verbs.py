@@ -22,7 +22,7 @@ from sparkrun_coldsnap.controller.common import Attempt, finish
 from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder, Validation, save_failure_receipt, save_receipt
 from sparkrun_coldsnap.documents.request import CapsuleName
 from sparkrun_coldsnap.engines.base import Endpoint
-from sparkrun_coldsnap.errors import ColdsnapError, NotFoundError, RequestError, ValidationError
+from sparkrun_coldsnap.errors import ColdsnapError, EngineError, NotFoundError, RequestError, ValidationError
 from sparkrun_coldsnap.lifecycle import records, settle, warm
 from sparkrun_coldsnap.lifecycle.records import WorkloadRecord
 from sparkrun_coldsnap.progress import QUIET, Progress
@@ -165,6 +165,8 @@ def _as_the_engine_says(rec: WorkloadRecord, err: BaseException, level: int | No
     if isinstance(err, ValidationError):
         return {"state": "failed"}  # awake, but not answering as it did
     asleep = extensions.registry().engine(rec.engine).is_sleeping(endpoint_of(rec))
+    if asleep is None and rec.transition.verb == "sleep" and isinstance(err, EngineError) and err.http_status is not None:
+        return {}  # the engine refused to sleep (no sleep mode: a vanilla start): it serves on as it was
     if asleep is None:
         return {"state": "failed"}
     return {"state": "sleeping", "sleep_level": level} if asleep else {"state": "active", "sleep_level": None}
