@@ -17,16 +17,17 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from sparkrun_coldsnap import __version__, controller
+from sparkrun_coldsnap.capsule.media import A_UNPACKED_SIZE
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.documents.request import RestoreRequest
 from sparkrun_coldsnap.documents.settings import Settings
 from sparkrun_coldsnap.errors import ColdsnapError
-from sparkrun_coldsnap.host import paths
+from sparkrun_coldsnap.host import bandwidth, paths
 from sparkrun_coldsnap.progress import Progress
 from sparkrun_coldsnap.weights.page_cache import drop as drop_page_cache
 
@@ -41,6 +42,50 @@ class Sample:
     prepare_seconds: float | None = None
     phases: dict[str, float] = field(default_factory=dict)
     validated: bool = True
+    #: the restore phase's steps (criu restore, CUDA restore), timed from the progress they report
+    steps: dict[str, float] = field(default_factory=dict)
+    #: bytes each phase moved
+    bytes: dict[str, int] = field(default_factory=dict)
+    #: the first token of a warm server, as recorded at capture: what validation cannot beat
+    first_token_floor: float | None = None
+    #: the receipt's account of how weights and files were read (hydrate, weights_memory, ...)
+    notes: dict = field(default_factory=dict)
+
+
+class StepClock(Progress):
+    """Progress that also notes when each step began, to time the steps inside a phase."""
+
+    def __init__(self, inner: Progress) -> None:
+        super().__init__(quiet=inner.quiet, stream=inner.stream)
+        self.marks: list[tuple[float, str]] = []
+
+    def step(self, text: str) -> None:
+        self.marks.append((time.monotonic(), text))
+        super().step(text)
+
+    def durations(self, end: float) -> dict[str, float]:
+        """Each step's seconds until the next began (the last until *end*), named by its first words."""
+        out: dict[str, float] = {}
+        for (t, text), (t_next, _) in zip(self.marks, self.marks[1:] + [(end, "")]):
+            name = " ".join(text.split()[:2])
+            out[name] = round(out.get(name, 0.0) + t_next - t, 4)
+        return out
+
+
+def phase_bytes(prepared: controller.PreparedRestore, receipt) -> dict[str, int]:
+    """What each phase of one restore read or wrote, from its capsule and receipt."""
+    layers = prepared.capsule.layers
+    out = {
+        "prepare.stage": sum(d.size for d in layers),
+        "restore": sum(int((d.annotations or {}).get(A_UNPACKED_SIZE, d.size)) for d in layers),
+    }
+    for key in ("weights_memory", "weights_cache", "files_cache"):
+        read = (receipt.details.get(key) or {}).get("bytes")
+        if read:
+            out["prepare." + key] = int(read)
+    if receipt.weights is not None and receipt.weights.bytes:
+        out["hydrate"] = int(receipt.weights.bytes)
+    return out
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -70,10 +115,20 @@ def run_paths(
                 drop_page_cache()
             progress.step("sample %d/%d: restore (%s)" % (i + 1, samples, name))
             prepared = controller.prepare_restore(req, store=store, settings=(settings_for or {}).get(name), progress=progress)
-            r = controller.activate_restore(prepared, log_path=log_dir / ("restore-%s-%d.log" % (name, i)), progress=progress)
+            clock = StepClock(progress)
+            t_start = time.monotonic()
+            r = controller.activate_restore(prepared, log_path=log_dir / ("restore-%s-%d.log" % (name, i)), progress=clock)
             r.unit.stop()
             phases = {p.name: p.seconds for p in r.receipt.phases}
-            results.append(Sample(name, i, r.ttft_seconds or 0.0, prepare_seconds=prepared.prepare_seconds, phases=phases, validated=bool(r.receipt.validation and r.receipt.validation.passed)))
+            restore_end = t_start + phases.get("restore", 0.0)
+            results.append(
+                Sample(
+                    name, i, r.ttft_seconds or 0.0, prepare_seconds=prepared.prepare_seconds, phases=phases,
+                    validated=bool(r.receipt.validation and r.receipt.validation.passed), steps=clock.durations(restore_end),
+                    bytes=phase_bytes(prepared, r.receipt), first_token_floor=prepared.capsule.config.validation.request_ttft_seconds,
+                    notes={k: r.receipt.details[k] for k in ("hydrate", "weights_memory", "weights_cache", "files_cache") if k in r.receipt.details},
+                )
+            )  # fmt: skip
             progress.note("restore (%s): first token after %.2f s (prepared in %.2f s before the clock)" % (name, r.ttft_seconds or 0, prepared.prepare_seconds))
         time.sleep(1.0)
     return results
@@ -83,10 +138,63 @@ def run(req: RestoreRequest, *, store: CapsuleStore, samples: int, progress: Pro
     """One restore path against vanilla; returns the results document."""
     results = run_paths(req, {req.workload.driver: (req, store)}, samples=samples, progress=progress, drop_cache=drop_cache)
     capsules = {req.workload.driver: {"ref": req.capsule.ref, "digest": store.resolve(req.capsule.ref).descriptor.digest}}
-    return document(req, results, capsules=capsules, drop_cache=drop_cache)
+    progress.step("measuring this machine's bandwidths (disk, page cache, fresh memory)")
+    measured = bandwidth.measure(largest_file(req.workload.model.path), drop_cache=drop_cache)
+    return document(req, results, capsules=capsules, drop_cache=drop_cache, bandwidth=measured)
 
 
-def document(req: RestoreRequest, results: list[Sample], *, capsules: Mapping[str, dict], drop_cache: bool, extra: Mapping[str, object] | None = None) -> dict:
+def largest_file(directory: str | None) -> Path | None:
+    """The largest file below *directory* (the weights, for a disk read of some size)."""
+    files = [p for p in Path(directory).rglob("*") if p.is_file()] if directory else []
+    return max(files, key=lambda p: p.stat().st_size, default=None)
+
+
+def _medians(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    keys = sorted({k for r in rows for k in r})
+    return {k: statistics.median([r[k] for r in rows if k in r]) for k in keys}
+
+
+#: which of the machine's bandwidths bounds each phase (hydration: host to device where it
+#: was measured, else the page cache it copies from; a cold one reads the disk)
+BOUND_BY = {
+    "prepare.stage": "disk_read", "prepare.weights_cache": "disk_read", "prepare.files_cache": "disk_read", "prepare.weights_memory": "disk_read",
+    "restore": "memory_write", "hydrate": "host_to_device",
+}  # fmt: skip
+
+
+def rates(path: Mapping, bandwidth: Mapping[str, float], first_token_floor: float | None) -> dict:
+    """Each phase's bytes and rate beside the machine's bandwidth for it, and the floor: the
+    on-clock phases at those bandwidths plus a warm server's first token."""
+    phases, moved = path["phases_median"], path["bytes_median"]
+    out: dict = {"phases": {}, "bandwidth": dict(bandwidth)}
+    floor = first_token_floor or 0.0
+    for name, nbytes in moved.items():
+        bound = BOUND_BY.get(name)
+        if name == "hydrate" and "host_to_device" not in bandwidth:
+            bound = "page_cache_read"
+        if name == "hydrate" and not {"prepare.weights_cache", "prepare.weights_memory"} & set(moved) and "disk_read" in bandwidth:
+            bound = "disk_read"  # nothing was read ahead: hydration reads the disk
+        seconds = phases.get(name)
+        row = {"bytes": nbytes, "seconds": seconds, "rate": nbytes / seconds if seconds else None, "bound_by": bound, "machine": bandwidth.get(bound or "")}
+        if row["machine"]:
+            row["floor_seconds"] = nbytes / row["machine"]
+            if not name.startswith("prepare."):
+                floor += row["floor_seconds"]
+        out["phases"][name] = row
+    out["first_token_floor"] = first_token_floor
+    out["floor_seconds"] = floor
+    # a node with nothing prepared reads the capsule and the weights from the disk first
+    disk = bandwidth.get("disk_read")
+    if disk:
+        cold_bytes = moved.get("prepare.stage", 0) + moved.get("hydrate", 0)
+        out["cold_floor_seconds"] = cold_bytes / disk + moved.get("restore", 0) / bandwidth.get("memory_write", float("inf")) + (first_token_floor or 0.0)
+    return out
+
+
+def document(
+    req: RestoreRequest, results: list[Sample], *, capsules: Mapping[str, dict], drop_cache: bool, extra: Mapping[str, object] | None = None,
+    bandwidth: Mapping[str, float] | None = None,
+) -> dict:  # fmt: skip
     van = [s.ttft_seconds for s in results if s.path == VANILLA]
     out_paths = {}
     for name in dict.fromkeys(s.path for s in results if s.path != VANILLA):
@@ -99,7 +207,14 @@ def document(req: RestoreRequest, results: list[Sample], *, capsules: Mapping[st
             "speedup_median": statistics.median(van) / statistics.median([s.ttft_seconds for s in mine]),
             "all_validated": all(s.validated for s in mine),
             "capsule": dict(capsules.get(name, {})),
+            # preparation and activation together: what a node with nothing prepared waits
+            "total": summary([(s.prepare_seconds or 0.0) + s.ttft_seconds for s in mine]),
+            "steps_median": _medians([s.steps for s in mine]),
+            "bytes_median": {k: int(v) for k, v in _medians([s.bytes for s in mine]).items()},
         }
+        floors = [s.first_token_floor for s in mine if s.first_token_floor]
+        if bandwidth:
+            out_paths[name]["rates"] = rates(out_paths[name], bandwidth, statistics.median(floors) if floors else None)
     first = next(iter(out_paths.values()))
     return {
         "format": 1,
@@ -119,25 +234,45 @@ def document(req: RestoreRequest, results: list[Sample], *, capsules: Mapping[st
         "restore_phases_median": first["phases_median"],
         "speedup_median": first["speedup_median"],
         "all_restores_validated": all(p["all_validated"] for p in out_paths.values()),
+        "bandwidth": dict(bandwidth or {}),
         **dict(extra or {}),
         "samples": [asdict(s) for s in results],
     }
 
 
 def table(doc: dict) -> str:
-    lines = ["%-44s %8s %8s %8s %3s" % ("", "median", "min", "max", "n")]
+    lines = ["%-52s %8s %8s %8s %3s" % ("", "median", "min", "max", "n")]
 
     def row(name: str, s: dict) -> None:
-        lines.append("%-44s %7.2fs %7.2fs %7.2fs %3d" % (name, s["median"], s["min"], s["max"], s["n"]))
+        lines.append("%-52s %7.2fs %7.2fs %7.2fs %3d" % (name, s["median"], s["min"], s["max"], s["n"]))
 
     row("vanilla start -> first token", doc["vanilla_ttft"])
     for name, p in doc["paths"].items():
         row("restore (%s) -> first token" % name, p["ttft"])
         row("  preparation, before the clock (%s)" % name, p["prepare"])
+        if "total" in p:
+            row("  preparation + restore, nothing prepared (%s)" % name, p["total"])
     for name, p in doc["paths"].items():
         parts = ", ".join("%s %.2fs" % (k, v) for k, v in p["phases_median"].items() if not k.startswith("prepare."))
         lines.append("%s: %.1fx faster than vanilla (medians); restore phases: %s" % (name, p["speedup_median"], parts))
+        if p.get("steps_median"):
+            lines.append("  inside restore: %s" % ", ".join("%s %.2fs" % kv for kv in p["steps_median"].items()))
+        lines += rate_lines(p.get("rates"), p["ttft"]["median"], p.get("total", {}).get("median"))
     return "\n".join(lines)
+
+
+def rate_lines(r: Mapping | None, measured: float, total: float | None) -> list[str]:
+    if not r:
+        return []
+    out = []
+    for name, row in r["phases"].items():
+        rate = "%.2f GB/s" % (row["rate"] / 1e9) if row.get("rate") else "-"
+        machine = "%.2f GB/s %s" % (row["machine"] / 1e9, row["bound_by"].replace("_", " ")) if row.get("machine") else "not measured"
+        out.append("  %-24s %8.2f GB %8s   machine: %s" % (name, row["bytes"] / 1e9, rate, machine))
+    out.append("  floor to first token %.2fs (measured %.2fs)%s" % (r["floor_seconds"], measured, "" if r.get("first_token_floor") else ", without the first token"))
+    if r.get("cold_floor_seconds") and total is not None:
+        out.append("  floor with nothing prepared %.2fs (measured preparation + restore %.2fs)" % (r["cold_floor_seconds"], total))
+    return out
 
 
 def plot(doc: dict, path: Path) -> Path | None:

@@ -91,9 +91,16 @@ def test_capture_wrote_a_verified_capsule_and_receipt(captured, sparkrun):
     assert doc["config"]["validation"]["reply"] == receipt["validation"]["reply"]
     assert all(l["annotations"][media.A_TITLE] for l in doc["manifest"]["layers"])
     assert "layers verified" in sparkrun.coldsnap("verify", "tiny", "--store", str(store)).stdout
-    # The room check's estimate, taken before the dump, is near what CRIU wrote.
-    estimate, written = receipt["details"]["dump_estimate_bytes"], receipt["details"]["image_bytes"]
+    # The room check's estimate, taken before the dump, is near what CRIU wrote (before the
+    # zero pages were left out).
+    zero = receipt["details"]["zero_pages"]
+    estimate, kept = receipt["details"]["dump_estimate_bytes"], receipt["details"]["image_bytes"]
+    written = kept + zero["pages_bytes_before"] - zero["pages_bytes_after"]
     assert 0.7 * written <= estimate <= 1.3 * written, (estimate, written)
+    # The engine's 1 GiB KV cache is zeros: it is not in the capsule.
+    assert "skipped" not in zero, zero
+    assert zero["pages_bytes_before"] - zero["pages_bytes_after"] == zero["zero_pages_left_out"] * 4096 > 0.9e9, zero
+    assert "compact" in {p["name"] for p in receipt["phases"]}
 
 
 def test_sparkrun_run_restores_status_shows_stop_stops(captured, sparkrun, tmp_path):
@@ -354,6 +361,15 @@ def test_bench_measures_one_vanilla_start_and_one_restore_and_reports_them(captu
     assert cpu["capsule"] == {"ref": "tiny:latest", "digest": receipt["capsule"]}
     assert (doc["restore_ttft"], doc["restore_prepare"], doc["speedup_median"]) == (cpu["ttft"], cpu["prepare"], cpu["speedup_median"])
     assert (out_dir / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Bytes and rates per phase, beside this machine's bandwidths, and the floor they add up to.
+    assert cpu["total"]["median"] == restore["prepare_seconds"] + restore["ttft_seconds"]
+    assert restore["bytes"]["restore"] > 0 and restore["bytes"]["prepare.stage"] > 0
+    assert doc["bandwidth"]["memory_write"] > 0 and doc["bandwidth"]["page_cache_read"] > 0
+    rates = cpu["rates"]
+    assert rates["phases"]["restore"]["bytes"] == restore["bytes"]["restore"] and rates["phases"]["restore"]["bound_by"] == "memory_write"
+    assert 0 < rates["floor_seconds"] < restore["ttft_seconds"], rates
+    assert "floor to first token %.2fs (measured %.2fs)" % (rates["floor_seconds"], restore["ttft_seconds"]) in cp.stdout
+    assert restore["steps"] and "criu restore" in restore["steps"], restore["steps"]
     # The printed table holds the document's numbers.
     lines = cp.stdout.splitlines()
 

@@ -22,7 +22,7 @@ from sparkrun_coldsnap.errors import EngineError
 from sparkrun_coldsnap.host.process_tree import kill_tree
 from sparkrun_coldsnap.launch.engine_env import EngineEnv
 from sparkrun_coldsnap.launch.local import start_unit
-from sparkrun_coldsnap.weights import native_payload, weight_paths
+from sparkrun_coldsnap.weights import native_payload, weight_paths, weights_memory
 
 PROMPT = "Reply with one short sentence: what is a cold start?"
 
@@ -87,6 +87,17 @@ def test_export_seal_and_read_back_replace_the_served_weights(engine, use_settin
     cached = adapter._rpc(endpoint, "coldsnap_load_native", str(d), True)
     assert cached[0]["direct_io"] is False and cached[0]["bytes"] == reports[0]["bytes"]
     assert reply(adapter, endpoint) == before
+
+    # Copied into memory by preparation, the payload is mapped by the engine and read in place;
+    # the copy of the damaged one changes the reply just the same.
+    for source, same in ((damaged, False), (d, True)):
+        staged = weights_memory.copy_into_memory(sorted(source.iterdir()))
+        try:
+            mapped = adapter._rpc(endpoint, "coldsnap_load_native_mapped", str(staged.directory))
+        finally:
+            staged.release()
+        assert mapped[0]["mapped"] is True and mapped[0]["bytes"] == reports[0]["bytes"]
+        assert (reply(adapter, endpoint) == before) is same
 
     # The same bytes seal to the same address; a damaged payload is refused by digest.
     again, _ = native_payload.export(adapter, endpoint)

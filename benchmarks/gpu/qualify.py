@@ -32,7 +32,7 @@ from sparkrun_coldsnap.documents import settings  # noqa: E402
 from sparkrun_coldsnap.documents.receipts import write_receipt  # noqa: E402
 from sparkrun_coldsnap.drivers import nvidia  # noqa: E402
 from sparkrun_coldsnap.errors import ColdsnapError  # noqa: E402
-from sparkrun_coldsnap.host import paths  # noqa: E402
+from sparkrun_coldsnap.host import bandwidth, paths  # noqa: E402
 from sparkrun_coldsnap.host.facts import gpu_facts  # noqa: E402
 from sparkrun_coldsnap.host.process_tree import tree_pids  # noqa: E402
 from sparkrun_coldsnap.progress import Progress  # noqa: E402
@@ -100,13 +100,24 @@ def requests_for(args, driver: str, weights: str = "auto") -> tuple[rq.CaptureRe
     return cap, res
 
 
-def split_path(path: str) -> tuple[str, str, bool]:
-    """``n610:native`` -> (driver, weights, cache); a bare driver takes auto; a third part
-    ``nocache`` restores without reading the weights into the page cache during preparation."""
+#: a path's third part -> the plugin settings it restores with
+OPTIONS = {
+    "": {},
+    # without reading the weights into the page cache during preparation
+    "nocache": {"COLDSNAP_WEIGHTS_CACHE": "off"},
+    # a node with nothing prepared: preparation starts the reads and goes on; the figure
+    # that counts is preparation + restore ("total")
+    "cold": {"COLDSNAP_CACHE_IN_BACKGROUND": "1"},
+}
+
+
+def split_path(path: str) -> tuple[str, str, str]:
+    """``n610:native`` -> (driver, weights, option); a bare driver takes auto; a third part
+    names one of OPTIONS."""
     driver, weights, option = (path.split(":") + ["", ""])[:3]
-    if option not in ("", "nocache"):
-        sys.exit("path %r: the third part may only be nocache" % path)
-    return driver, weights or "auto", option != "nocache"
+    if option not in OPTIONS:
+        sys.exit("path %r: the third part may only be one of %s" % (path, ", ".join(o for o in OPTIONS if o)))
+    return driver, weights or "auto", option
 
 
 def engine_log_lines(pattern: str) -> list[str]:
@@ -137,6 +148,7 @@ def cmd_capture(args) -> None:
         if receipt is not None:
             write_receipt(receipt, args.out / ("capture-%s.json" % driver))
             print("capture %s: %s in %.1f s, phases %s" % (driver, receipt.state, receipt.total_seconds, {p.name: p.seconds for p in receipt.phases}), flush=True)
+            print("  zero pages: %s" % json.dumps(receipt.details.get("zero_pages")), flush=True)
             print("  details: %s" % json.dumps(receipt.details)[:600], flush=True)
     for line in engine_log_lines("Sleep mode freed"):
         print("  engine: %s" % line, flush=True)
@@ -145,17 +157,17 @@ def cmd_capture(args) -> None:
 def restores_for(args, store: CapsuleStore) -> tuple[dict, dict, dict]:
     restores, capsules, environ = {}, {}, {}
     for path in args.paths:
-        driver, weights, cache = split_path(path)
+        driver, weights, option = split_path(path)
         _, res = requests_for(args, driver, weights)
         try:
             entry = store.resolve(res.capsule.ref)
         except ColdsnapError as err:
             print("no capsule for %s: %s" % (path, err), flush=True)
             continue
-        label = (driver if weights == "auto" else "%s %s" % (driver, weights)) + ("" if cache else ", no cache")
+        label = (driver if weights == "auto" else "%s %s" % (driver, weights)) + {"": "", "nocache": ", no cache", "cold": ", nothing prepared"}[option]
         restores[label] = (res, store)
         capsules[label] = {"ref": res.capsule.ref, "digest": entry.descriptor.digest}
-        environ[label] = settings.Settings.from_environ({**os.environ, "COLDSNAP_WEIGHTS_CACHE": "auto" if cache else "off"})
+        environ[label] = settings.Settings.from_environ({**os.environ, **OPTIONS[option]})
     return restores, capsules, environ
 
 
@@ -176,10 +188,34 @@ def cmd_samples(args) -> None:
     kept.write_text(json.dumps([s.__dict__ for s in results]))
     g = gpu_facts()
     gpu = {"gpus": [x.name for x in g.gpus], "nvidia_driver": g.nvidia_driver, "cuda": g.cuda_version}
-    doc = bench.document(vanilla, results, capsules=capsules, drop_cache=True, extra={"gpu": gpu, "compile_cache": "warm (filled by the captures' starts)"})
+    measured = machine_bandwidth(args, store)
+    doc = bench.document(vanilla, results, capsules=capsules, drop_cache=True, extra={"gpu": gpu, "compile_cache": "warm (filled by the captures' starts)"}, bandwidth=measured)
     path, png = bench.write(doc, args.out)
+    for s in new:
+        if s.notes:
+            print("sample %d %s: %s" % (s.index, s.path, json.dumps(s.notes)[:400]), flush=True)
     print(bench.table(doc))
     print("results: %s %s" % (path, png or ""))
+
+
+def machine_bandwidth(args, store: CapsuleStore) -> dict[str, float]:
+    """Disk, page cache and fresh memory from the plugin's side (on the native payload, the
+    largest file a restore reads), host to device in the engine's interpreter."""
+    payloads = sorted(paths.coldsnap_home().glob("native/*/rank-0.bin"), key=lambda p: p.stat().st_size)
+    sample = payloads[-1] if payloads else bench.largest_file(model_info(args.work)["path"])
+    out = bandwidth.measure(sample, drop_cache=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([args.engine_python, str(ROOT / "benchmarks" / "gpu" / "h2d.py")], capture_output=True, text=True, env=env)
+    if done.returncode == 0:
+        out.update(json.loads(done.stdout.strip().splitlines()[-1]))
+    else:
+        print("host-to-device not measured: %s" % done.stderr.strip()[-300:], flush=True)
+    print("bandwidth (GB/s): %s" % {k: round(v / 1e9, 2) for k, v in out.items()}, flush=True)
+    return out
+
+
+def cmd_bandwidth(args) -> None:
+    machine_bandwidth(args, CapsuleStore(args.work / "store"))
 
 
 def cmd_other_gpu(args) -> None:
@@ -213,7 +249,7 @@ def cmd_other_gpu(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("step", choices=("model", "capture", "samples", "other-gpu"))
+    ap.add_argument("step", choices=("model", "capture", "samples", "other-gpu", "bandwidth"))
     ap.add_argument("--work", type=Path, required=True, help="work directory (model, store)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     ap.add_argument("--shape", default="1.5b")
@@ -230,7 +266,7 @@ def main() -> None:
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    {"model": cmd_model, "capture": cmd_capture, "samples": cmd_samples, "other-gpu": cmd_other_gpu}[args.step](args)
+    {"model": cmd_model, "capture": cmd_capture, "samples": cmd_samples, "other-gpu": cmd_other_gpu, "bandwidth": cmd_bandwidth}[args.step](args)
 
 
 if __name__ == "__main__":

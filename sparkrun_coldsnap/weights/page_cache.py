@@ -10,11 +10,12 @@ back under pressure, and a prefetch that evicts itself buys nothing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from sparkrun_coldsnap.weights import weight_paths
 if TYPE_CHECKING:
     from sparkrun_coldsnap.capsule.config import CapsuleConfig
     from sparkrun_coldsnap.documents.receipts import ReceiptBuilder
+    from sparkrun_coldsnap.drivers.base import UnitImage
     from sparkrun_coldsnap.progress import Progress
     from sparkrun_coldsnap.weights.weight_paths import WeightChoice
 
@@ -104,8 +106,36 @@ def read_ahead(files: Sequence[Path], tick: Callable[[int], None] | None = None)
             os.close(fd)
 
 
+def _read_quietly(files: Sequence[Path]) -> None:
+    with contextlib.suppress(OSError):
+        read_ahead(files)
+
+
+def _read_into_cache(files: Sequence[Path], what: str, key: str, rb: ReceiptBuilder, progress: Progress, *, background: bool = False) -> bool:
+    """Read *files* into the page cache when they fit; the receipt says what was read, or why not.
+    *background*: start reading and return at once (a node with nothing prepared: the restore
+    goes ahead meanwhile and finds whatever was read by the time it needs it)."""
+    t = time.monotonic()
+    try:
+        p = plan(files)
+        if not p.fits:
+            rb.details[key] = {"skipped": p.why_not()}
+            return False
+        if background:
+            threading.Thread(target=_read_quietly, args=(p.files,), name="coldsnap-%s" % key, daemon=True).start()
+            rb.details[key] = {"bytes": p.total, "files": len(files), "background": True}
+            return True
+        with rb.phase("prepare.%s" % key), progress.transfer("reading %d %s into the page cache" % (len(files), what), p.total) as tick:
+            read = read_ahead(files, tick)
+    except OSError as err:  # only a head start: the restore reads the files itself and reports what is wrong
+        rb.details[key] = {"skipped": "reading %s failed: %s" % (err.filename or "a file", err.strerror)}
+        return False
+    rb.details[key] = {"bytes": read, "files": len(files), "seconds": round(time.monotonic() - t, 4)}
+    return True
+
+
 def cache_for_restore(
-    cfg: CapsuleConfig, choice: WeightChoice, model_dir: str | None, rb: ReceiptBuilder, progress: Progress, *, enabled: bool = True,
+    cfg: CapsuleConfig, choice: WeightChoice, model_dir: str | None, rb: ReceiptBuilder, progress: Progress, *, enabled: bool = True, background: bool = False,
 ) -> WeightChoice:  # fmt: skip
     """Read the files hydration will read into the page cache now, while the old workload still
     serves; the choice comes back marked ``cached`` when they were read."""
@@ -113,18 +143,19 @@ def cache_for_restore(
         rb.details["weights_cache"] = {"skipped": "COLDSNAP_WEIGHTS_CACHE=off"}
         return choice
     files = weight_paths.files_to_read(cfg, choice, model_dir)
-    if not files:
+    if not files or not _read_into_cache(files, "weight file(s)", "weights_cache", rb, progress, background=background):
         return choice
-    t = time.monotonic()
-    try:
-        p = plan(files)
-        if not p.fits:
-            rb.details["weights_cache"] = {"skipped": p.why_not()}
-            return choice
-        with rb.phase("prepare.weights_cache"), progress.transfer("reading %d weight file(s) into the page cache" % len(files), p.total) as tick:
-            read = read_ahead(files, tick)
-    except OSError as err:  # only a head start: hydration reads the files itself and reports what is wrong
-        rb.details["weights_cache"] = {"skipped": "reading %s failed: %s" % (err.filename or "a weight file", err.strerror)}
-        return choice
-    rb.details["weights_cache"] = {"bytes": read, "seconds": round(time.monotonic() - t, 4)}
     return dataclasses.replace(choice, cached=True)
+
+
+def cache_tree_files(units: Iterable[UnitImage], rb: ReceiptBuilder, progress: Progress, *, enabled: bool = True, background: bool = False) -> None:
+    """Read the files the captured tree mapped or held open (the engine's libraries and code)
+    into the page cache. A restored process maps them again as they were and its first request
+    runs through their pages: after a cold start of the host those would come from the disk,
+    on the clock (about a second for a CUDA engine's libraries)."""
+    if not enabled:
+        rb.details["files_cache"] = {"skipped": "COLDSNAP_FILES_CACHE=off"}
+        return
+    files = sorted({Path(f.path) for u in units for f in u.files if os.path.isfile(f.path)})
+    if files:
+        _read_into_cache(files, "file(s) the workload maps", "files_cache", rb, progress, background=background)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sparkrun_coldsnap.capsule.config import CapsuleConfig, ModelFile
 from sparkrun_coldsnap.documents.request import Workload
@@ -33,6 +34,11 @@ class WeightChoice:
     note: str | None = None  # why auto did not take native
     problem: str | None = None  # what refuses the restore
     cached: bool = False  # preparation read the files into the page cache
+    in_memory: Any = None  # weights_memory.WeightsInMemory: preparation copied the payload into memory
+
+    def release_memory(self) -> None:
+        if self.in_memory is not None:
+            self.in_memory.release()
 
 
 def source_files(cfg: CapsuleConfig, path: str) -> tuple[ModelFile, ...]:
