@@ -286,9 +286,10 @@ def plot(doc: dict, path: Path) -> Path | None:
         return None
     names = [VANILLA, *doc["paths"]]
     medians = [doc["vanilla_ttft"]["median"]] + [p["ttft"]["median"] for p in doc["paths"].values()]
-    labels = ["vanilla start"] + ["ColdSnap restore (%s)" % n for n in doc["paths"]]
+    labels = ["vanilla start"] + [("%s" if doc.get("lifecycle") else "ColdSnap restore (%s)") % n for n in doc["paths"]]
     fig, ax = plt.subplots(figsize=(7.5, 1.6 + 0.8 * len(names)), dpi=120)
-    colors = ["#9aa5b1"] + ["#2b7bb9", "#e07b39", "#4d9e52"][: len(names) - 1]
+    palette = ["#2b7bb9", "#e07b39", "#4d9e52"]
+    colors = ["#9aa5b1"] + [palette[i % len(palette)] for i in range(len(names) - 1)]
     ax.barh(labels, medians, color=colors, height=0.55)
     top = max(medians + [s["ttft_seconds"] for s in doc["samples"]])
     for y, name in enumerate(names):

@@ -94,6 +94,8 @@ class EngineError(ColdsnapError):
     """The inference engine failed to start or to answer."""
 
     code = "engine.failed"
+    #: the HTTP status the engine refused a request with, when it answered one
+    http_status: int | None = None
 
 
 class ToolError(ColdsnapError):

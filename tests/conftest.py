@@ -94,6 +94,14 @@ def use_settings():
     return use
 
 
+@pytest.fixture
+def lifecycle_home(tmp_path, use_settings, monkeypatch) -> Path:
+    """A COLDSNAP_HOME of the test's own, for the lifecycle's records (in this process and its children)."""
+    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "home"))
+    use_settings(home=tmp_path / "home")
+    return tmp_path / "home"
+
+
 @pytest.fixture(scope="session")
 def template_home(tmp_path_factory) -> Path:
     home = tmp_path_factory.mktemp("sparkrun-home-template")

@@ -38,22 +38,8 @@ mkdir -p "$RESULTS" "$WORK/recipes"
 STEPS="$RESULTS/sparkrun-path-$ENGINE-steps.tsv"
 : > "$STEPS"
 
-now() { date +%s.%N; }
-# step NAME CMD...: run it, print its output and how long it took; keep the time for the table.
-step() {
-  local name=$1; shift
-  echo "==> $name: $*"
-  local t0 rc t
-  t0=$(now)
-  "$@" 2>&1
-  rc=$?
-  t=$(echo "$(now) $t0" | awk '{printf "%.2f", $1 - $2}')
-  echo "<== $name: ${t} s (exit $rc)"
-  printf '%s\t%s\t%s\n' "$name" "$t" "$rc" >> "$STEPS"
-  return $rc
-}
-# GPU memory in use, all GPUs together (MiB); "?" where there is no nvidia-smi.
-gpu_mib() { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | awk '{s += $1} END {print s + 0}' || echo "?"; }
+# now, step NAME CMD... (prints its output and time, keeps it for the table), gpu_mib
+. "$(dirname "$0")/steps.sh"
 
 echo "sparkrun path, $ENGINE, $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"

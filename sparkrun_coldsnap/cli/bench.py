@@ -17,8 +17,12 @@ from sparkrun_coldsnap.cli.common import check_recipe_file, emit_json, host_tupl
 @click.option("--samples", type=click.IntRange(1, 50), default=3, show_default=True, help="Samples of each path.")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None, help="Where bench.json and bench.png go (default: bench-out/<time>).")
 @click.option("--keep-page-cache", is_flag=True, help="Do not drop the page cache before each sample (not comparable with published numbers).")
+@click.option(
+    "--lifecycle", is_flag=True,
+    help="Time the lifecycle's transitions instead (sleep and wake on GPU engines, hibernate, wake from hibernation, activate from warm) beside a vanilla start.",
+)  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the results document.")
-def bench(recipe, hosts, cluster, options, offline, store, samples, out_dir, keep_page_cache, as_json):
+def bench(recipe, hosts, cluster, options, offline, store, samples, out_dir, keep_page_cache, lifecycle, as_json):
     """Measure time to first token: vanilla start against ColdSnap restore of RECIPE.
 
     Captures the recipe first if its capsule does not exist yet.
@@ -36,13 +40,20 @@ def bench(recipe, hosts, cluster, options, offline, store, samples, out_dir, kee
     if not bench_mod.ensure_capsule(capsule_store, req.capsule.ref):
         progress.step("no capsule %s yet: capturing it first" % req.capsule.ref)
         controller.capture(placement.capture_request(actx), store=capsule_store, progress=progress)
-    result = bench_mod.run(req, store=capsule_store, samples=samples, progress=progress, drop_cache=not keep_page_cache)
+    if lifecycle:
+        from sparkrun_coldsnap.lifecycle import bench as lifecycle_bench
+        from sparkrun_coldsnap.lifecycle.verbs import Where
+
+        where = Where(hosts=host_tuple(hosts), cluster=cluster, overrides=parse_overrides(options), offline=offline)
+        result = lifecycle_bench.run(req, recipe=recipe, where=where, store=capsule_store, samples=samples, progress=progress, drop_cache=not keep_page_cache)
+    else:
+        result = bench_mod.run(req, store=capsule_store, samples=samples, progress=progress, drop_cache=not keep_page_cache)
     target = out_dir or Path("bench-out") / time.strftime("%Y%m%dT%H%M%S")
     json_path, png = bench_mod.write(result, target)
     if as_json:
         emit_json(result)
         return
-    click.echo(bench_mod.table(result))
+    click.echo(lifecycle_bench.table(result) if lifecycle else bench_mod.table(result))
     click.echo("results: %s%s" % (json_path, ("; plot: %s" % png) if png else " (install matplotlib for the plot)"))
 
 

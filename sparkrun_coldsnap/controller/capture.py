@@ -12,7 +12,7 @@ from sparkrun_coldsnap.capsule import capsule as capsule_mod
 from sparkrun_coldsnap.capsule.capsule import Capsule
 from sparkrun_coldsnap.capsule.config import CapsuleConfig, CapturedValidation, EngineRecord, NativePayload, WeightsRecord
 from sparkrun_coldsnap.capsule.pack import pack_unit
-from sparkrun_coldsnap.capsule.store import CapsuleStore
+from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor
 from sparkrun_coldsnap.compat import pinning
 from sparkrun_coldsnap.controller.common import Attempt, Resolved, finish, require_one_unit, resolve, validate, wait_ready
 from sparkrun_coldsnap.documents import settings as settings_mod
@@ -54,6 +54,7 @@ class CaptureRun:
     unit: RunningUnit
     t0: float
     native_wanted: bool
+    store: CapsuleStore
 
 
 def capture(req: CaptureRequest, *, store: CapsuleStore, settings: Settings | None = None, progress: Progress = QUIET) -> CaptureOutcome:
@@ -112,7 +113,7 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, settings: Settings | No
             stack.callback(leftovers.release, unit.root_pid)
             run = CaptureRun(
                 req, r, settings, rb, progress, unit_def, log_path, staging / "units" / unit_def.name,
-                r.adapter.endpoint(w.launch.command, w.model.id, w.launch.port), unit, t0, native_wanted,
+                r.adapter.endpoint(w.launch.command, w.model.id, w.launch.port), unit, t0, native_wanted, store,
             )  # fmt: skip
             image, validation, native = _checkpoint_at_capture_point(run)
             # Past the checkpoint: a serving tree is gone (a container stopped), a template
@@ -121,37 +122,45 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, settings: Settings | No
             unit.stop(grace=10.0)
             unit.reap()
             engine_temp.sweep(keep=frozenset(f.path for f in image.files))  # the stopped engine's sockets and init files in /tmp
-            with rb.phase("model_check"):
-                # The digests recorded before the launch must still describe the files the engine read.
-                changed = model_files.verify(Path(w.model.path), recorded_files)
-            if changed:
-                raise CaptureError("the model files changed while the engine loaded them: %s; capture again" % "; ".join(changed))
-            image = _without_zero_pages(r.driver, run.images, image, rb, progress, enabled=settings.zero_pages)
-            with rb.phase("pack"), progress.transfer("packing %.1f MB of process images" % (image.image_bytes / 1e6), image.image_bytes) as tick:
-                layers = pack_unit(run.images, unit_def.name, staging, tick=tick)
-            config = CapsuleConfig(
-                name=req.capsule.name,
-                tag=req.capsule.tag,
-                created=capsule_mod.now_iso(),
-                request_sha256=req.digest(),
-                workload=w.redacted(),
-                fingerprint=r.fingerprint(w, image.criu_version),
-                engine=EngineRecord(name=w.engine, version=r.adapter.version(r.facts.packages) if r.facts else None),
-                driver=r.driver.name,
-                validation=CapturedValidation(
-                    prompt=req.validation.prompt, max_tokens=req.validation.max_tokens, reply=validation.reply or "", request_ttft_seconds=validation.request_ttft_seconds
-                ),
-                weights=WeightsRecord(
-                    location="in-image" if r.driver.weights_in_image else "external", model_id=w.model.id, revision=w.model.revision, files=recorded_files, native=native
-                ),
-                units=(image,),
-            )
-            with rb.phase("publish"):
-                desc = capsule_mod.publish(store, layers, config)
+            desc = package(run, staging, image, validation, native, recorded_files)
         rb.capsule = desc.digest
-        rb.details["image_bytes"] = image.image_bytes
-        rb.details["capsule_bytes"] = sum(layer.size for layer in layers)
         return CaptureOutcome(finish(rb, None), capsule_mod.open_capsule(store, req.capsule.ref))
+
+
+def package(run: CaptureRun, staging: Path, image: UnitImage, validation: Validation, native: NativePayload | None, recorded_files: tuple) -> Descriptor:
+    """Check the model files did not change, pack the images, write the config, publish under the request's tag."""
+    req, r, rb, progress, w, unit_def = run.req, run.r, run.rb, run.progress, run.req.workload, run.unit_def
+    assert w.model.path
+    with rb.phase("model_check"):
+        # The digests recorded before the launch must still describe the files the engine read.
+        changed = model_files.verify(Path(w.model.path), recorded_files)
+    if changed:
+        raise CaptureError("the model files changed while the engine loaded them: %s; capture again" % "; ".join(changed))
+    image = _without_zero_pages(r.driver, run.images, image, rb, progress, enabled=run.settings.zero_pages)
+    with rb.phase("pack"), progress.transfer("packing %.1f MB of process images" % (image.image_bytes / 1e6), image.image_bytes) as tick:
+        layers = pack_unit(run.images, unit_def.name, staging, tick=tick)
+    config = CapsuleConfig(
+        name=req.capsule.name,
+        tag=req.capsule.tag,
+        created=capsule_mod.now_iso(),
+        request_sha256=req.digest(),
+        workload=w.redacted(),
+        fingerprint=r.fingerprint(w, image.criu_version),
+        engine=EngineRecord(name=w.engine, version=r.adapter.version(r.facts.packages) if r.facts else None),
+        driver=r.driver.name,
+        validation=CapturedValidation(
+            prompt=req.validation.prompt, max_tokens=req.validation.max_tokens, reply=validation.reply or "", request_ttft_seconds=validation.request_ttft_seconds
+        ),
+        weights=WeightsRecord(
+            location="in-image" if r.driver.weights_in_image else "external", model_id=w.model.id, revision=w.model.revision, files=recorded_files, native=native
+        ),
+        units=(image,),
+    )
+    with rb.phase("publish"):
+        desc = capsule_mod.publish(run.store, layers, config)
+    rb.details["image_bytes"] = image.image_bytes
+    rb.details["capsule_bytes"] = sum(layer.size for layer in layers)
+    return desc
 
 
 def _without_zero_pages(driver: SnapshotDriver, images: Path, image: UnitImage, rb: ReceiptBuilder, progress: Progress, *, enabled: bool) -> UnitImage:

@@ -72,42 +72,55 @@ def held_by_replaced(cap: Capsule, r: Resolved, problems: list[str], replacing: 
     return tuple(p for unit in cap.config.units for p in r.driver.admission(unit) if p not in problems)
 
 
+def open_and_admit(
+    req: RestoreRequest, store: CapsuleStore, settings: Settings, rb: ReceiptBuilder, *, replacing: frozenset[int] = frozenset(),
+) -> tuple[Capsule, Resolved, weight_paths.WeightChoice | None, tuple[str, ...]]:  # fmt: skip
+    """Open capsule ``req.capsule`` (verified) and admit it here; also what the replaced workload holds that it needs."""
+    with rb.phase("prepare.open"):
+        store.check_trusted()
+        cap = capsule_mod.open_capsule(store, req.capsule.ref)
+        rb.capsule = cap.digest
+    with rb.phase("prepare.admission"):
+        require_one_unit(req.workload, "restore")
+        r = resolve(req.workload, settings)
+        if cap.config.driver != r.driver.name:
+            raise CompatibilityError("capsule %s was captured with driver %s, the recipe asks for %s" % (req.capsule.ref, cap.config.driver, r.driver.name))
+        problems, choice = check_admission(cap, req, r, replacing=replacing)
+        if problems:
+            raise CompatibilityError("admission refused for capsule %s: %s" % (req.capsule.ref, "; ".join(problems)))
+        held = held_by_replaced(cap, r, problems, replacing)
+        if held:
+            rb.details["held_by_replaced_workload"] = list(held)
+    return cap, r, choice, held
+
+
 def prepare_restore(
     req: RestoreRequest, *, store: CapsuleStore, settings: Settings | None = None, progress: Progress = QUIET, replacing: frozenset[int] = frozenset(),
+    staged_at: Path | None = None,
 ) -> PreparedRestore:  # fmt: skip
     """Admission and staging: everything that can fail before the old workload is stopped.
 
     *replacing* is the PIDs of the workload this restore replaces: the captured PIDs and shared
     files they hold are freed when it is stopped, which happens after staging and before the
-    restore; they are named in the result (``held_by_replaced``) and the receipt, not refused."""
+    restore; they are named in the result (``held_by_replaced``) and the receipt, not refused.
+
+    *staged_at*: a staging directory where the capsule's layers were already unpacked and
+    verified (a warm restore, :mod:`sparkrun_coldsnap.lifecycle.warm`); admission runs again,
+    the unpacking does not."""
     settings = settings or settings_mod.current()
     rb = ReceiptBuilder("restore", request_sha256=req.digest())
     rb.capsule_ref = req.capsule.ref
     rb.secrets = req.workload.secret_values()
     t = time.monotonic()
     with settings_mod.using(settings), Attempt(rb) as attempt:
-        with rb.phase("prepare.open"):
-            store.check_trusted()
-            cap = capsule_mod.open_capsule(store, req.capsule.ref)
-            rb.capsule = cap.digest
-        with rb.phase("prepare.admission"):
-            require_one_unit(req.workload, "restore")
-            r = resolve(req.workload, settings)
-            if cap.config.driver != r.driver.name:
-                raise CompatibilityError("capsule %s was captured with driver %s, the recipe asks for %s" % (req.capsule.ref, cap.config.driver, r.driver.name))
-            problems, choice = check_admission(cap, req, r, replacing=replacing)
-            if problems:
-                raise CompatibilityError("admission refused for capsule %s: %s" % (req.capsule.ref, "; ".join(problems)))
-            held = held_by_replaced(cap, r, problems, replacing)
-            if held:
-                rb.details["held_by_replaced_workload"] = list(held)
-        total = sum(d.size for d in cap.layers)
-        unpacked = sum(int((d.annotations or {}).get(media.A_UNPACKED_SIZE, d.size)) for d in cap.layers)
-        staging = new_restore_staging(store, unpacked)
-        attempt.on_failure(lambda: paths.remove_staging(staging))
-        with rb.phase("prepare.stage"), progress.transfer("verifying and unpacking capsule %s" % req.capsule.ref, total) as tick:
-            for d in cap.layers:
-                unpack_layer(store, d, staging / "units", tick=tick)
+        cap, r, choice, held = open_and_admit(req, store, settings, rb, replacing=replacing)
+        if staged_at is None:
+            staging = new_restore_staging(store, unpacked_size(cap))
+            attempt.on_failure(lambda: paths.remove_staging(staging))
+            unpack_capsule(store, cap, staging, rb, progress)
+        else:
+            staging = staged_at
+            rb.details["staged_ahead"] = True
         image = cap.config.units[0]
         with rb.phase(r.launcher.stage_phase):
             staged = r.launcher.stage(r.driver, image, staging / "units" / image.name, staging=staging, request=req)
@@ -120,6 +133,17 @@ def prepare_restore(
             choice = page_cache.cache_for_restore(cap.config, choice, req.workload.model.path, rb, progress, enabled=settings.weights_cache, background=background)
         page_cache.cache_tree_files(cap.config.units, rb, progress, enabled=settings.files_cache, background=background)
         return PreparedRestore(req, cap, r, settings, rb, staged, prepare_seconds=time.monotonic() - t, weights=choice, held_by_replaced=held)
+
+
+def unpacked_size(cap: Capsule) -> int:
+    return sum(int((d.annotations or {}).get(media.A_UNPACKED_SIZE, d.size)) for d in cap.layers)
+
+
+def unpack_capsule(store: CapsuleStore, cap: Capsule, staging: Path, rb: ReceiptBuilder, progress: Progress) -> None:
+    """Verify and unpack every layer of *cap* into *staging*."""
+    with rb.phase("prepare.stage"), progress.transfer("verifying and unpacking capsule %s" % (cap.ref or cap.digest), sum(d.size for d in cap.layers)) as tick:
+        for d in cap.layers:
+            unpack_layer(store, d, staging / "units", tick=tick)
 
 
 def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Progress = QUIET) -> ServingOutcome:

@@ -58,6 +58,8 @@ class Settings:
     cuda_python: str | None = None
     #: ``COLDSNAP_DEBUG``: tracebacks and debug logs.
     debug: bool = False
+    #: ``COLDSNAP_LIFECYCLE_DIR``: the lifecycle's workload records and locks (None: ``<home>/run/lifecycle``).
+    lifecycle_dir: Path | None = None
     #: ``CUDA_VISIBLE_DEVICES`` of the restoring side: the GPUs a restored workload comes back on.
     cuda_visible_devices: str | None = None
     #: ``PYENV_ROOT``: where set-up looks for a Python 3.11 for the engine environment.
@@ -97,6 +99,7 @@ class Settings:
             criu=tuple(env.get("COLDSNAP_CRIU", "").split()),
             cuda_python=env.get("COLDSNAP_CUDA_PYTHON") or None,
             debug=bool(env.get("COLDSNAP_DEBUG")),
+            lifecycle_dir=_path(env["COLDSNAP_LIFECYCLE_DIR"]) if env.get("COLDSNAP_LIFECYCLE_DIR") else None,
             cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
             pyenv_root=_path(env["PYENV_ROOT"]) if env.get("PYENV_ROOT") else Path.home() / ".pyenv",
             credential_files=tuple(creds),

@@ -19,7 +19,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from sparkrun_coldsnap.drivers import criu_isolated, criu_tree, tree_inspect
+from sparkrun_coldsnap.drivers import criu_isolated, criu_nested, criu_tree, tree_inspect
 from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, Support, UnitImage
 from sparkrun_coldsnap.drivers.criu_driver import CriuDriver
 from sparkrun_coldsnap.drivers.criu_tool import Criu
@@ -51,6 +51,9 @@ class CpuDriver(CriuDriver):
         return tree_inspect.problems(root_pid)
 
     def checkpoint(self, root_pid: int, images: Path, *, unit: str, host: str, progress: Progress) -> UnitImage:
+        init = criu_nested.namespace_init(root_pid)
+        if init is not None:  # a restored tree, hibernated: dumped from inside its namespaces
+            return criu_nested.dump(Criu.locate(), root_pid, init, images, unit=unit, host=host, driver=self.name, progress=progress)
         return criu_tree.dump(Criu.locate(), root_pid, images, unit=unit, host=host, driver=self.name, progress=progress)
 
     def admission(self, unit: UnitImage, *, replacing: frozenset[int] = frozenset()) -> list[str]:

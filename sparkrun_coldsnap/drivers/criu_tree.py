@@ -101,12 +101,20 @@ def dump(
         )
     remaps = sorted(_listing(dirs) - before)
     saved = _save_shared(images, [Path(p) for p in shared] + remaps, owner_gone=not leave_running)
+    return unit_image(criu, images, unit=unit, host=host, driver=driver, pids=pids, resource=resource, saved=saved, tcp=tcp, listening=listening)
+
+
+def unit_image(
+    criu: Criu, images: Path, *, unit: str, host: str, driver: str, pids: tuple[int, ...], resource: str | None, saved: list[SharedFile], tcp: bool,
+    listening: tuple[int, ...],
+) -> UnitImage:  # fmt: skip
+    """What a dump recorded about the tree (*pids*, root first, as the images number them)."""
     size = sum(f.stat().st_size for f in images.rglob("*") if f.is_file())
     return UnitImage(
         name=unit,
         host=host,
         driver=driver,
-        root_pid=root_pid,
+        root_pid=pids[0],
         pids=pids,
         pid_namespace=False,
         log_resource=resource,
@@ -181,8 +189,11 @@ def resume_after_failed_dump(pids: tuple[int, ...], *, already_stopped: set[int]
     return TreeState(alive=alive, total=len(pids), resumed=resumed)
 
 
-def _save_shared(images: Path, files: list[Path], *, owner_gone: bool) -> list[SharedFile]:
-    """Copy shared-memory files into the images; remove them when their tree is gone."""
+def _save_shared(images: Path, files: list[Path], *, owner_gone: bool, view: str = "") -> list[SharedFile]:
+    """Copy shared-memory files into the images; remove them when their tree is gone.
+
+    *view*: the prefix the files were read through (``/proc/<pid>/root`` for a tree in a mount
+    namespace of its own); they are recorded by the name the tree uses."""
     out = []
     target = images / SHARED_DIR
     target.mkdir(exist_ok=True)
@@ -193,7 +204,7 @@ def _save_shared(images: Path, files: list[Path], *, owner_gone: bool) -> list[S
             continue
         stored = "%s/%03d-%s" % (SHARED_DIR, i, path.name)
         copy_sparse(path, images / stored)
-        out.append(SharedFile(path=str(path), size=st.st_size, mode=st.st_mode & 0o7777, stored=stored))
+        out.append(SharedFile(path=str(path)[len(view):], size=st.st_size, mode=st.st_mode & 0o7777, stored=stored))
         if owner_gone or path.name.startswith("link_remap."):
             # The content now lives in the capsule (and link-remap files are CRIU's own).
             path.unlink(missing_ok=True)

@@ -123,6 +123,26 @@ class EngineAdapter(ABC):
         *cached*: preparation read the files into the page cache (so direct I/O would go around it);
         *memory_dir*: preparation copied the native payload there, into memory (``maps_native`` adapters)."""
 
+    # -- sleeping in place (lifecycle) ---------------------------------
+
+    #: what ``sleep`` can do: 1 keeps the weights in host memory and drops the KV cache, 2 drops
+    #: both (the weights come back from the model files on ``wake``). Empty: the engine cannot sleep.
+    sleep_levels: ClassVar[tuple[int, ...]] = ()
+
+    def sleep(self, endpoint: Endpoint, level: int) -> None:
+        """Release accelerator memory in place at *level* (one of ``sleep_levels``)."""
+        if level not in self.sleep_levels:
+            raise EngineError("%s cannot sleep at level %d (its levels: %s)" % (self.name, level, ", ".join(map(str, self.sleep_levels)) or "none"))
+        self.release_memory(endpoint)
+
+    def is_sleeping(self, endpoint: Endpoint) -> bool | None:
+        """Whether the engine says it is asleep (None: it has no way to say)."""
+        return None
+
+    def wake(self, endpoint: Endpoint, level: int, *, model_dir: str) -> HydrationResult:
+        """Take back what ``sleep`` at *level* released; weights dropped come back from *model_dir*."""
+        return self.hydrate(endpoint, path="recovery", model_dir=model_dir)
+
     def export_native(self, endpoint: Endpoint, directory: str) -> tuple[dict[str, Any], ...]:
         """Have the serving engine write its loaded weights to *directory* (one file set per worker)."""
         raise EngineError("%s cannot write a native weight payload: use weights: recovery" % self.name)
@@ -144,5 +164,7 @@ def post(url: str, *, json_body: Any = None, timeout: float = 600.0, what: str, 
     except requests.RequestException as err:
         raise EngineError("%s failed: %s" % (what, err)) from err
     if require_2xx and not 200 <= r.status_code < 300:
-        raise EngineError("%s failed: HTTP %d: %s" % (what, r.status_code, r.text[:300]))
+        refused = EngineError("%s failed: HTTP %d: %s" % (what, r.status_code, r.text[:300]))
+        refused.http_status = r.status_code  # the engine answered: it refused, it did not break mid-way
+        raise refused
     return r

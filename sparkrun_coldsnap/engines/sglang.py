@@ -50,6 +50,9 @@ class SglangAdapter(EngineAdapter):
             command = command + " --enable-memory-saver"
         return command, dict(env)
 
+    # The memory saver drops weights and KV cache together: what vLLM calls level 2.
+    sleep_levels = (2,)
+
     def release_memory(self, endpoint: Endpoint) -> None:
         post(endpoint.base_url + "/release_memory_occupation", json_body={"tags": RELEASED}, what="SGLang release_memory_occupation")
 

@@ -56,8 +56,32 @@ class VllmAdapter(EngineAdapter):
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ENGINE_SIDE_DIR), env.get("PYTHONPATH", "")) if p)
         return command, env
 
+    sleep_levels = (1, 2)
+
     def release_memory(self, endpoint: Endpoint) -> None:
-        post(endpoint.base_url + "/sleep?level=2", what="vLLM sleep (level 2)")
+        self.sleep(endpoint, 2)
+
+    def sleep(self, endpoint: Endpoint, level: int) -> None:
+        if level not in self.sleep_levels:
+            raise EngineError("vLLM sleeps at level 1 or 2, not %d" % level)
+        post(endpoint.base_url + "/sleep?level=%d" % level, what="vLLM sleep (level %d)" % level)
+
+    def is_sleeping(self, endpoint: Endpoint) -> bool | None:
+        import requests
+
+        try:
+            r = requests.get(endpoint.base_url + "/is_sleeping", timeout=10)
+            return bool(r.json()["is_sleeping"]) if r.status_code == 200 else None
+        except (requests.RequestException, ValueError, KeyError, TypeError):
+            return None
+
+    def wake(self, endpoint: Endpoint, level: int, *, model_dir: str) -> HydrationResult:
+        if level == 1:
+            # Level 1 kept the weights in host memory: waking copies them back, no files are read.
+            t = time.monotonic()
+            post(endpoint.base_url + "/wake_up", what="vLLM wake_up")
+            return HydrationResult("in-memory", time.monotonic() - t)
+        return self.hydrate(endpoint, path="recovery", model_dir=model_dir)
 
     def _rpc(self, endpoint: Endpoint, method: str, *args: Any) -> tuple[dict[str, Any], ...]:
         r = post(endpoint.base_url + "/collective_rpc", json_body={"method": method, "args": list(args)}, timeout=1800, what="vLLM %s" % method)

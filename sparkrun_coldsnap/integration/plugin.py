@@ -24,7 +24,7 @@ def register(v: Any) -> None:
     """Called by sparkrun once the plugin is enabled."""
     from sparkrun.plugins import register_cli_command, register_hardware_probe, register_recipe_item
 
-    from sparkrun_coldsnap.integration import cpu_platform
+    from sparkrun_coldsnap.integration import cpu_platform, lifecycle_provider
     from sparkrun_coldsnap.integration.probe import PROBE_SCRIPT, add_cpu_accelerator
     from sparkrun_coldsnap.integration.recipe_item import KEY, OWNER, RecipeItem
     from sparkrun_coldsnap.integration.strategy import Strategy
@@ -32,4 +32,5 @@ def register(v: Any) -> None:
     register_recipe_item(KEY, RecipeItem(), owner=OWNER, execution_strategy=Strategy())
     register_hardware_probe(OWNER, script=PROBE_SCRIPT, enrich=add_cpu_accelerator)
     cpu_platform.register()
+    lifecycle_provider.register()
     register_cli_command(_cli_loader, name=KEY)

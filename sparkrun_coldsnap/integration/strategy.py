@@ -27,6 +27,7 @@ from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.integration.placement import OPT_PLAN_INTO, OPT_RECEIPT, capsule_name, capsule_name_of, restore_request, store_for, store_for_run, workload_name
 from sparkrun_coldsnap.integration.recipe_item import block_of, source_of
 from sparkrun_coldsnap.integration.records import local_record_paths, register_local
+from sparkrun_coldsnap.lifecycle import run_hooks
 from sparkrun_coldsnap.progress import Progress
 
 STRATEGY = "coldsnap"
@@ -104,6 +105,9 @@ class Strategy:
                         % (req.capsule.ref, store.root, source_of(context.execution.plan.recipe))
                     ) from None
             old_root, replacing = _replaced_tree(req)
+            req, warm = run_hooks.before_prepare(req, store, settings, _say)  # hibernated or warm: that state comes back
+            if warm is not None:
+                return api.Plan(req, store, settings, prepared=warm)
             plan = api.prepare(req, store=store, settings=settings, progress=Progress(), replacing=replacing)
             if plan.refused is not None:
                 _write_receipt(context, plan.refused)
@@ -116,6 +120,8 @@ class Strategy:
                     )
             return plan
         except ColdsnapError as err:
+            if "req" in locals():
+                run_hooks.failed(req)
             _write_failure_receipt(context, err)
             raise RuntimeError(str(err)) from None
 
@@ -135,6 +141,7 @@ class Strategy:
         try:
             done = api.activate(plan, log_path=log_path, on_started=(lambda pid: _register(name, pid)) if local else None, progress=Progress(), on_note=_say)
         except ColdsnapError as err:
+            run_hooks.failed(plan.request)
             _write_failure_receipt(context, err)
             raise RuntimeError(str(err)) from None
         for receipt in done.receipts:
@@ -142,7 +149,14 @@ class Strategy:
         out = done.outcome
         if local:
             register_local(name, out.root_pid)  # containers carry sparkrun's name and labels instead
-        _write_receipt(context, out.receipt)
+        written = _write_receipt(context, out.receipt)
+        opts = context.execution.options
+        recipe = opts.recipe if isinstance(opts.recipe, str) else source_of(opts.recipe)
+        run_hooks.activated(
+            plan.request, out.receipt, out.root_pid, recipe=str(Path(recipe).resolve()) if Path(recipe).is_file() else recipe, hosts=opts.hosts,
+            cluster=opts.cluster if isinstance(opts.cluster, str | None) else getattr(opts.cluster, "name", None), overrides=dict(opts.overrides or {}), store=plan.store,
+            receipt_path=written,
+        )  # fmt: skip
         ttft = "%.2f" % (out.ttft_seconds or 0)
         if done.how == "vanilla":
             _say("vanilla start answered after %.1f s" % (out.ttft_seconds or 0))
@@ -316,11 +330,14 @@ def _receipt_place(context: Any) -> tuple[Path | None, Path, str]:
     return Path(explicit) if explicit else None, store_for(context).receipts, name
 
 
-def _write_receipt(context: Any, receipt: Receipt) -> None:
+def _write_receipt(context: Any, receipt: Receipt) -> Path | None:
     try:
-        _say("receipt: %s" % save_receipt(receipt, *_receipt_place(context)))
+        path = save_receipt(receipt, *_receipt_place(context))
     except ColdsnapError as err:
         _say("could not write the receipt: %s" % err)
+        return None
+    _say("receipt: %s" % path)
+    return path
 
 
 def _write_failure_receipt(context: Any, err: ColdsnapError) -> None:
