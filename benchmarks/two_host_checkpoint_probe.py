@@ -8,7 +8,8 @@ through rank 0, then, idle, dumped by CRIU on its own host: ``criu dump`` runs i
 session of that host, so in the host's network and mount namespaces, with
 ``--tcp-established`` (the ranks' gloo and ZMQ connections to each other) and CRIU's
 default network lock, which keeps each host's side of those connections silent from its
-dump until its restore. Both ranks are then restored, each on its own host, at the same
+dump until its restore. Every rank is stopped (SIGSTOP to its process group) before any is
+dumped, so no rank sends between the dumps; they are continued after both restores. Both ranks are then restored, each on its own host, at the same
 time, and asked the same question through rank 0. The reply must be the same.
 
 Prints one JSON document: per host the dump and restore seconds and outcome, the reply
@@ -111,6 +112,10 @@ def main() -> None:
         result["reply_before"] = ask(head)
         roots = {h.address: root_pid(h) for h in used}
         time.sleep(2)  # idle: the reply's connection closed, nothing in flight between the ranks
+        # One consistent cut: every rank stopped (its whole process group: the rank's root leads
+        # it) before any is dumped; CRIU keeps them stopped through dump and restore.
+        for h in used:
+            assert ssh(hosts, h.address, "kill -STOP -- -%d" % roots[h.address]).returncode == 0
 
         def dump(host) -> dict:
             images = host.home / "images"
@@ -140,6 +145,8 @@ def main() -> None:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             for host, res in zip(used, pool.map(restore, used)):
                 result["hosts"][host.address].update(res)
+        for h in used:
+            result["hosts"][h.address]["cont_rc"] = ssh(hosts, h.address, "kill -CONT -- -%d" % roots[h.address]).returncode
         try:
             wait_health(head, used, 120)
             result["reply_after"] = ask(head)
