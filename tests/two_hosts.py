@@ -15,7 +15,8 @@ Each host still gets a home of its own (sshd's ``SetEnv HOME=``), as two machine
 so what sparkrun keeps under ``~/.cache/sparkrun`` on one host is not seen by the other.
 
 ``ip netns exec`` gives each sshd a mount namespace too (it mounts the namespace's own
-/sys), and everything a session starts inherits it. A machine without the ``sshd``
+/sys), and everything a session starts inherits it; each host mounts a /dev/shm of its own
+there. A machine without the ``sshd``
 account that OpenSSH's privilege separation needs gets one in that mount namespace only:
 a copy of /etc/passwd with the line added is bind-mounted there.
 """
@@ -250,10 +251,15 @@ class TwoHosts:
         )
         host.log = self.workdir / ("sshd-%s.log" % host.name)
         argv = [str(binary), "-D", "-e", "-f", str(config)]
+        # ip netns exec already made a mount namespace whose mounts do not propagate back.
+        # Each host gets a /dev/shm of its own, as a machine has: vLLM decides whether two
+        # ranks share a node by whether one sees the other's shared memory, and ranks that
+        # think they do talk over unix sockets under /tmp, which no two real hosts share.
+        setup = "mount -t tmpfs -o mode=1777,size=8g shm /dev/shm"
         passwd = self._privsep()
         if passwd is not None:
-            # ip netns exec already made a mount namespace whose mounts do not propagate back.
-            argv = ["sh", "-c", 'mount --bind "$0" /etc/passwd && exec "$@"', str(passwd), *argv]
+            setup += ' && mount --bind "$0" /etc/passwd'
+        argv = ["sh", "-c", setup + ' && exec "$@"', str(passwd or "-"), *argv]
         with open(host.log, "ab") as log:
             host.sshd = subprocess.Popen(["ip", "netns", "exec", host.namespace, *argv], stdin=subprocess.DEVNULL, stdout=log, stderr=log, env={**os.environ, **env}, start_new_session=True)
 

@@ -17,6 +17,7 @@ sparkrun internals used here: the runtime's ``generate_node_command`` and
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -46,11 +47,27 @@ def units_of(actx: Any, common_env: Mapping[str, str]) -> tuple[LaunchUnit, ...]
     units = []
     for rank, host in enumerate(hosts):
         env = dict(common_env)
-        if actx.comm_env is not None:
-            # sparkrun layers the communication environment beneath the launch environment.
-            env = {**{str(k): str(v) for k, v in runtime.finalize_host_comm_env(actx.comm_env.get_env(host)).items()}, **env}
+        comm = dict(actx.comm_env.get_env(host)) if actx.comm_env is not None else {}
+        if "NODE_IP" not in comm and _is_address(host):
+            # sparkrun's detection names a host's address only on hosts with InfiniBand. A rank
+            # that advertises none falls back to its default route's address, and a host whose
+            # only network is the cluster's has no default route: vLLM's then broadcasts the
+            # scheduler's queue at 0.0.0.0 and the worker waits on itself forever. The address
+            # sparkrun placed the rank at is one every other rank reaches (the head's is the
+            # master address).
+            comm["NODE_IP"] = host
+        # sparkrun layers the communication environment beneath the launch environment.
+        env = {**{str(k): str(v) for k, v in runtime.finalize_host_comm_env(comm).items()}, **env}
         units.append(LaunchUnit(name="rank-%d" % rank, host=host, rank=rank, devices=devices[host], command=commands[rank], env=env_delta(common_env, env)))
     return tuple(units)
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
 
 
 def node_commands(runtime: Any, recipe: Any, overrides: dict[str, Any], hosts: Sequence[str], *, init_port: int, placement: Any = None) -> list[str]:

@@ -104,6 +104,12 @@ class Strategy:
                         "capsule %s is not in %s and the recipe sets on_missing: fail: run `sparkrun coldsnap capture %s` first"
                         % (req.capsule.ref, store.root, source_of(context.execution.plan.recipe))
                     ) from None
+            if len(req.workload.topology.units) > 1:
+                # Restoring several units is not built yet; with no capsule the ranks start vanilla.
+                try:
+                    store.resolve(req.capsule.ref)
+                except NotFoundError:
+                    return api.Plan(req, store, settings, vanilla_because="no capsule %s in %s yet" % (req.capsule.ref, store.root))
             old_root, replacing = _replaced_tree(req)
             req, warm = run_hooks.before_prepare(req, store, settings, _say)  # hibernated or warm: that state comes back
             if warm is not None:
@@ -133,6 +139,8 @@ class Strategy:
                 _say(state.text)
             return ActivationResult(rc=0, runtime_info={"coldsnap": "dry-run"})
         plan: api.Plan = state
+        if len(plan.request.workload.topology.units) > 1 and plan.prepared is None:
+            return self._start_distributed(context, plan)
         name = workload_name(context)
         _, log_path = local_record_paths(name)
         local = plan.request.workload.launch.executor == "local"
@@ -171,6 +179,25 @@ class Strategy:
                 "and its TTFT is a request of its own sent after this validation"
             )
         return ActivationResult(rc=0, runtime_info={"coldsnap": "restored %s" % digest, "coldsnap_ttft_s": ttft})
+
+
+    def _start_distributed(self, context: Any, plan: api.Plan) -> Any:
+        """Every rank started on its host by the plugin (sparkrun's own native launch cannot run
+        local-executor ranks: ``integration/distributed_start.py`` says why)."""
+        from sparkrun.plugins import ActivationResult
+
+        from sparkrun_coldsnap.integration.distributed_start import start_distributed
+
+        units = plan.request.workload.topology.units
+        _say("%s: starting %d ranks vanilla on %s (capture them with `sparkrun coldsnap capture`)" % (plan.vanilla_because, len(units), ", ".join(u.host for u in units)))
+        try:
+            done = start_distributed(context, plan.request, progress=Progress(), because=plan.vanilla_because)
+        except ColdsnapError as err:
+            _write_failure_receipt(context, err)
+            raise RuntimeError(str(err)) from None
+        _write_receipt(context, done.receipt)
+        _say("vanilla start of %d ranks answered through rank 0 after %.1f s" % (len(done.ranks), done.ttft_seconds or 0))
+        return ActivationResult(rc=0, runtime_info={"coldsnap": "vanilla start of %d ranks (no capsule)" % len(done.ranks), "coldsnap_ttft_s": "%.2f" % (done.ttft_seconds or 0)})
 
 
 def _replaced_tree(req: RestoreRequest) -> tuple[int | None, frozenset[int]]:
