@@ -72,14 +72,31 @@ def restore_request(port: int, name: str = "fault", expected: str | None = None,
 
 
 def fake_processes(port: int) -> list[psutil.Process]:
-    out = []
+    """The fake server on *port* and its process tree (its scheduler and detokenizer are spawned
+    children whose command lines do not name the fake)."""
+    roots = []
     for p in psutil.process_iter(["cmdline"]):
         try:
             cmd = " ".join(p.info["cmdline"] or ())
-            if str(FAKE) in cmd and "--port %d " % port in cmd + " " and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
+            if str(FAKE) in cmd and "--port %d " % port in cmd + " ":
+                roots.append(p)
         except psutil.Error:
             continue
+    out = []
+    for p in roots:
+        try:
+            # A fresh handle: psutil's iterator hands back the one it made for the process the
+            # capture stopped, and a restored process on that PID is not the one it knew.
+            p = psutil.Process(p.pid)
+            tree = [p, *p.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for q in tree:
+            try:
+                if q.status() != psutil.STATUS_ZOMBIE:
+                    out.append(q)
+            except psutil.Error:
+                continue
     return out
 
 
