@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import requests
 from conftest import Sparkrun, base_env, write_recipe
@@ -30,13 +31,13 @@ from sparkrun_coldsnap.capsule.store import CapsuleStore
 PROMPT = "hello"
 
 
-def sglang_recipe(directory: Path, store: Path, port: int, *, block: str = "", capsule: str = "") -> Path:
+def sglang_recipe(directory: Path, store: Path, port: int, *, block: str = "", capsule: str = "", validation: str = "") -> Path:
     """The tiny model's recipe with ``runtime: sglang`` and the fake server as its command; the
     engine's environment carries the fake GPU host's (its scheduler holds a fake CUDA context)."""
     directory.mkdir(parents=True, exist_ok=True)
     env = "".join("  %s: %s\n" % kv for kv in engine_env().items())
     command = "command: %s %s --model-path %s --port {port} --fake-startup-seconds 1\n" % (sys.executable, FAKE, snapshot())
-    coldsnap = "coldsnap:\n%s  capsule:\n    name: fake-sglang\n    store: %s\n%s  validation:\n    prompt: %s\n    max_tokens: 8\n" % (block, store, capsule, PROMPT)
+    coldsnap = "coldsnap:\n%s  capsule:\n    name: fake-sglang\n    store: %s\n%s  validation:\n    prompt: %s\n    max_tokens: 8\n%s" % (block, store, capsule, PROMPT, validation)
     path = write_recipe(directory, coldsnap=coldsnap, name="fake-sglang.yaml", replace={"runtime: vllm": "runtime: sglang", "port: 8000": "port: %d" % port, "env:\n": "env:\n" + env})
     text = path.read_text()
     start = text.index("command:")
@@ -174,3 +175,18 @@ def test_the_old_workload_serves_on_through_a_failed_staging_and_a_failed_pull(c
     finally:
         sr("stop", str(recipe), "-H", "localhost")
     wait_no_process(port)
+
+
+def test_a_restored_reply_that_differs_fails_the_run_stops_the_restored_tree_and_writes_a_failed_receipt(captured, sr, tmp_path):
+    _, store, _, port, receipt = captured
+    expecting = sglang_recipe(tmp_path / "expecting", store, port, validation="    expected_reply: not what it says\n")
+    cp = sr("run", str(expecting), "-H", "localhost", "--no-follow", check=False)
+    text = cp.stdout + cp.stderr
+    assert cp.returncode != 0 and "not what it says" in text, text[-3000:]
+    wait_no_process(port)
+    cap = capsule_mod.open_capsule(CapsuleStore(store), "fake-sglang:latest")
+    assert not [p for p in cap.config.units[0].pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    r = json.loads(sorted((store / "receipts" / "fake-sglang").glob("*-restore.json"))[-1].read_text())
+    assert r["state"] == "failed" and r["error"]["phase"] == "validate" and r["error"]["code"] == "validation.failed"
+    assert r["details"]["workload_state"] == "stopped" and r["validation"]["reply"] == receipt["validation"]["reply"] and not r["validation"]["passed"]
+    assert not [p for p in CapsuleStore(store).staging.iterdir() if p.name not in ("uploads", "downloads")]
