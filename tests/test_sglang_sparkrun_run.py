@@ -181,6 +181,8 @@ def test_a_restored_reply_that_differs_fails_the_run_stops_the_restored_tree_and
     _, store, _, port, receipt = captured
     expecting = sglang_recipe(tmp_path / "expecting", store, port, validation="    expected_reply: not what it says\n")
     cp = sr("run", str(expecting), "-H", "localhost", "--no-follow", check=False)
+    if cp.returncode == 0:  # it must not have served: stop what it started before failing
+        sr("stop", str(expecting), "-H", "localhost", check=False)
     text = cp.stdout + cp.stderr
     assert cp.returncode != 0 and "not what it says" in text, text[-3000:]
     wait_no_process(port)
