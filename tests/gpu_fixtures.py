@@ -1,9 +1,11 @@
 """A GPU host made of fakes, for the GPU drivers' steps in CI (tests/fakes/fake_cuda).
 
-The fake GPUs, the fake ``nvidia-smi`` first on PATH, and the fake CUDA driver bindings
+The fake GPUs, the fake ``nvidia-smi`` first on PATH, the fake CUDA driver bindings
 first on PYTHONPATH, where the plugin's CUDA checkpoint helper and the fake engines'
-CUDA contexts find them. One thing is answered in-process: whether ``libcuda.so.1``
-has the checkpoint API, since no libcuda can be loaded on a host without the driver.
+CUDA contexts find them, and a fake ``libcuda.so.1`` first on LD_LIBRARY_PATH, where a
+process started from here (sparkrun, say) finds the checkpoint API's entry points. This
+process started before that path was set (the loader reads it once, at start), so here
+the one question asked of libcuda, whether it has the checkpoint API, is answered yes.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def fake_gpu_host(directory: Path, chips: tuple[str, ...] = (H200, H200)) -> Ite
     mp.setenv(fake_gpu_state.ENV, str(directory))
     mp.setenv("PYTHONPATH", str(FAKE_CUDA))
     mp.setenv("PATH", "%s:%s" % (bin_dir, os.environ.get("PATH", "")))
+    mp.setenv("LD_LIBRARY_PATH", ":".join(p for p in (str(directory / "lib"), os.environ.get("LD_LIBRARY_PATH")) if p))
     mp.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     mp.setattr(nvidia, "has_checkpoint_api", lambda: True)
     facts.gpu_facts.cache_clear()

@@ -10,6 +10,7 @@ process, no staging left, nothing partial visible, and a retry that succeeds."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -23,12 +24,15 @@ import pytest
 import requests
 from conftest import hf_home
 from gpu_fixtures import engine_env, fake_gpu_host, fake_gpu_state
-from registry_fixtures import free_port
+from registry_fixtures import Registry, free_port
 
 from sparkrun_coldsnap import api
 from sparkrun_coldsnap.capsule import gc
 from sparkrun_coldsnap.capsule.capsule import open_capsule
+from sparkrun_coldsnap.capsule.reference import parse
+from sparkrun_coldsnap.capsule.registry import RegistryClient, Transport
 from sparkrun_coldsnap.capsule.store import CapsuleStore
+from sparkrun_coldsnap.capsule.transfer import publish
 from sparkrun_coldsnap.documents.request import (
     CapsuleName,
     CaptureRequest,
@@ -72,14 +76,31 @@ def restore_request(port: int, name: str = "fault", expected: str | None = None,
 
 
 def fake_processes(port: int) -> list[psutil.Process]:
-    out = []
+    """The fake server on *port* and its process tree (its scheduler and detokenizer are spawned
+    children whose command lines do not name the fake)."""
+    roots = []
     for p in psutil.process_iter(["cmdline"]):
         try:
             cmd = " ".join(p.info["cmdline"] or ())
-            if str(FAKE) in cmd and "--port %d " % port in cmd + " " and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
+            if str(FAKE) in cmd and "--port %d " % port in cmd + " ":
+                roots.append(p)
         except psutil.Error:
             continue
+    out = []
+    for p in roots:
+        try:
+            # A fresh handle: psutil's iterator hands back the one it made for the process the
+            # capture stopped, and a restored process on that PID is not the one it knew.
+            p = psutil.Process(p.pid)
+            tree = [p, *p.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for q in tree:
+            try:
+                if q.status() != psutil.STATUS_ZOMBIE:
+                    out.append(q)
+            except psutil.Error:
+                continue
     return out
 
 
@@ -248,6 +269,64 @@ def test_the_capture_released_and_the_restore_hydrated_through_the_gpu_steps(cap
     finally:
         kill_tree(done.outcome.root_pid, grace=2.0)
     wait_no_process(port)
+
+
+def test_a_recipe_changed_since_capture_is_refused_at_admission_and_a_place_only_change_is_not(captured, tmp_path):
+    """Admission compares the recipe's workload with the captured one: a changed flag or
+    variable is named and refused before anything is staged; what the guide and contracts call
+    place-only (the recipe's file name, the model's directory, the Hugging Face cache) is not."""
+    store, port, receipt = captured
+    base = restore_request(port)
+    w = base.workload
+    changed = {
+        "launch.command": w.model_copy(update={"launch": w.launch.model_copy(update={"command": w.launch.command + " --context-length 256"})}),
+        "launch.env.EXTRA_FLAG": w.model_copy(update={"launch": w.launch.model_copy(update={"env": {**w.launch.env, "EXTRA_FLAG": "1"}})}),
+    }
+    for field, workload in changed.items():
+        with pytest.raises(CompatibilityError, match="recipe changed since capture: %s: captured" % re.escape(field)) as caught:
+            api.prepare(base.model_copy(update={"workload": workload}), store=store)
+        r = caught.value.receipt
+        assert r is not None and r.state == "refused" and r.error is not None and r.error.phase == "prepare.admission" and caught.value.exit_code == 3
+        nothing_staged(store)
+        assert not fake_processes(port)
+    elsewhere = tmp_path / "elsewhere" / snapshot().name
+    shutil.copytree(snapshot(), elsewhere)  # the same bytes in another directory
+    env = {**w.launch.env, "HF_HOME": str(tmp_path / "elsewhere")}
+    moved = w.model_copy(update={"recipe": "renamed", "model": w.model.model_copy(update={"path": str(elsewhere)}), "launch": w.launch.model_copy(update={"env": env})})
+    plan = api.prepare(base.model_copy(update={"workload": moved}), store=store)
+    try:
+        assert plan.prepared is not None and plan.vanilla_because is None and plan.refused is None
+    finally:
+        plan.discard()
+    nothing_staged(store)
+
+
+def test_a_credential_in_the_engines_environment_reaches_no_config_receipt_or_registry_document(tmp_path):
+    """A hub token in the workload's environment: the engine gets it, but the capsule's config
+    and manifest, the receipt and what the registry holds besides the process images carry its
+    sha256 only. (The images are the engine's memory, its environment included.)"""
+    secret = "hf_CaptureSecretValue0123456789"
+    port = free_port()
+    store = CapsuleStore(tmp_path / "store")
+    req = capture_request(port, name="secret")
+    req = req.model_copy(update={"workload": req.workload.model_copy(update={"launch": req.workload.launch.model_copy(update={"env": {**req.workload.launch.env, "HF_TOKEN": secret}})})})
+    out = api.capture(req, store=store)
+    wait_no_process(port)
+    assert out.capsule is not None and out.capsule.config.workload.launch.env["HF_TOKEN"].startswith("sha256:")
+    assert secret not in out.receipt.model_dump_json()
+    layers = {d.digest for d in out.capsule.layers}
+    for blob in (store.root / "blobs" / "sha256").iterdir():
+        if "sha256:" + blob.name not in layers:
+            assert secret.encode() not in blob.read_bytes(), blob
+    assert secret.encode() not in (store.root / "index.json").read_bytes()
+    registry = Registry(tmp_path / "registry").start()
+    try:
+        ref = parse("%s/capsules/secret:latest" % registry.host, default_tag=None)
+        publish(store, "secret:latest", ref, RegistryClient(ref, Transport(plain_http=True)))
+        held = [f for f in registry.storage.rglob("*") if f.is_file() and f.parent.name not in {d.split(":")[1] for d in layers}]
+        assert held and not [f for f in held if secret.encode() in f.read_bytes()]
+    finally:
+        registry.stop()
 
 
 def test_a_port_in_use_is_refused_at_capture_and_at_restore(captured, tmp_path):

@@ -139,6 +139,18 @@ def test_work_on_released_memory_is_fatal_as_in_sglang(fake):
     assert not unit.alive()
 
 
+def test_a_request_while_memory_is_released_kills_the_server_instead_of_answering(fake):
+    """The real scheduler does not answer a generation on released memory with a clean error: it
+    hits an illegal memory access and the server exits. A client that sent one has lost it."""
+    adapter, endpoint, unit, _ = fake
+    adapter.wait_ready(endpoint, alive=unit.alive, timeout=30)
+    adapter.release_memory(endpoint)
+    with pytest.raises(requests.RequestException):
+        requests.post(endpoint.base_url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}, timeout=30)
+    unit.launcher.wait(timeout=10)
+    assert not unit.alive()
+
+
 def test_hydrating_from_a_missing_directory_is_a_clear_error(fake, tmp_path):
     adapter, endpoint, unit, mdir = fake
     adapter.wait_ready(endpoint, alive=unit.alive, timeout=30)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import subprocess
 from pathlib import Path
 
 ENV = "FAKE_CUDA_DIR"
@@ -89,11 +90,15 @@ def remove_host(directory: Path) -> None:
 
 
 def install_tools(directory: Path, python: str) -> Path:
-    """A ``bin`` folder with the fake ``nvidia-smi``, run by *python* with these modules on its path."""
+    """A ``bin`` folder with the fake ``nvidia-smi``, run by *python* with these modules on its path,
+    and a ``lib`` folder beside it with the fake ``libcuda.so.1`` (built with the C compiler)."""
     here = Path(__file__).resolve().parent
     bin_dir = directory / "bin"
     bin_dir.mkdir(parents=True, exist_ok=True)
     smi = bin_dir / "nvidia-smi"
     smi.write_text('#!/bin/sh\nPYTHONPATH=%s exec %s %s "$@"\n' % (here, python, here / "fake_nvidia_smi.py"))
     smi.chmod(0o755)
+    lib_dir = directory / "lib"
+    lib_dir.mkdir(exist_ok=True)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib_dir / "libcuda.so.1"), str(here / "libcuda_fake.c")], check=True)
     return bin_dir

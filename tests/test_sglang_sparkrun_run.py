@@ -1,0 +1,194 @@
+"""SGLang through sparkrun on a FAKE GPU host: ``sparkrun coldsnap capture`` and ``sparkrun run``
+of a recipe with ``runtime: sglang``, the n610 driver's steps end to end.
+
+sparkrun runs as a user runs it, in its own process; what it finds on this host is a GPU
+host made of fakes (tests/gpu_fixtures.py): fake GPUs, a fake ``nvidia-smi``, the fake CUDA
+driver bindings the plugin's checkpoint helper imports, a fake ``libcuda.so.1`` exporting the
+checkpoint API's entry points (what the driver's support check looks for), and the FAKE
+SGLang server (tests/fakes/fake_sglang.py), whose scheduler holds a fake CUDA context. CRIU,
+sparkrun and the plugin are real. So the GPU path (release, CUDA lock and checkpoint, CRIU
+dump, CUDA restore and unlock, hydration from the model files) runs as on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+from conftest import Sparkrun, base_env, write_recipe
+from gpu_fixtures import engine_env, fake_gpu_host, fake_gpu_state
+from registry_fixtures import Registry, free_port
+from test_engine_cycle import copy_store, tamper
+from test_fault_engine import FAKE, fake_processes, snapshot, wait_no_process
+
+from sparkrun_coldsnap.capsule import capsule as capsule_mod
+from sparkrun_coldsnap.capsule.store import CapsuleStore
+
+PROMPT = "hello"
+
+
+def sglang_recipe(directory: Path, store: Path, port: int, *, block: str = "", capsule: str = "", validation: str = "") -> Path:
+    """The tiny model's recipe with ``runtime: sglang`` and the fake server as its command; the
+    engine's environment carries the fake GPU host's (its scheduler holds a fake CUDA context)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    env = "".join("  %s: %s\n" % kv for kv in engine_env().items())
+    command = "command: %s %s --model-path %s --port {port} --fake-startup-seconds 1\n" % (sys.executable, FAKE, snapshot())
+    coldsnap = "coldsnap:\n%s  capsule:\n    name: fake-sglang\n    store: %s\n%s  validation:\n    prompt: %s\n    max_tokens: 8\n%s" % (block, store, capsule, PROMPT, validation)
+    path = write_recipe(directory, coldsnap=coldsnap, name="fake-sglang.yaml", replace={"runtime: vllm": "runtime: sglang", "port: 8000": "port: %d" % port, "env:\n": "env:\n" + env})
+    text = path.read_text()
+    start = text.index("command:")
+    path.write_text(text[:start] + command + text[text.index("coldsnap:") :])
+    return path
+
+
+def ask(port: int) -> str:
+    body = {"model": "m", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8}
+    r = requests.post("http://127.0.0.1:%d/v1/chat/completions" % port, json=body, timeout=30)
+    r.raise_for_status()
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def pids(port: int) -> set[int]:
+    return {p.pid for p in fake_processes(port)}
+
+
+def fake_calls(text: str) -> list[tuple[str, str]]:
+    """The (method, path) of each call the fake logged, in order."""
+    out = []
+    for line in text.splitlines():
+        if "fake-sglang call: " in line:
+            doc = json.loads(line.split("fake-sglang call: ", 1)[1])
+            out.append((doc["method"], doc["path"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpu_host(tmp_path_factory):
+    with fake_gpu_host(tmp_path_factory.mktemp("fake-cuda")) as gpus:
+        yield gpus
+
+
+@pytest.fixture(scope="module")
+def captured(gpu_host, template_home, tmp_path_factory):
+    """The recipe captured once through ``sparkrun coldsnap capture``: (home, store, recipe, port, receipt)."""
+    import shutil
+
+    tmp = tmp_path_factory.mktemp("sglang-sparkrun")
+    home = tmp / "home"
+    shutil.copytree(template_home, home, symlinks=True)
+    sr = Sparkrun(home, base_env(home))  # this process's environment: the fake GPU host's
+    store, port = tmp / "store", free_port()
+    recipe = sglang_recipe(tmp / "recipe", store, port)
+    sr.coldsnap("capture", str(recipe), "-H", "localhost", "--receipt", str(tmp / "capture.json"))
+    wait_no_process(port)
+    return home, store, recipe, port, json.loads((tmp / "capture.json").read_text())
+
+
+@pytest.fixture
+def sr(captured, tmp_path) -> Sparkrun:
+    import shutil
+
+    home = tmp_path / "home"
+    shutil.copytree(captured[0], home, symlinks=True)
+    return Sparkrun(home, base_env(home))
+
+
+def test_capture_took_the_n610_steps_on_the_fake_gpu(captured):
+    _, store, _, _, receipt = captured
+    assert receipt["state"] == "succeeded" and receipt["validation"]["passed"] and receipt["validation"]["reply"]
+    cap = capsule_mod.open_capsule(CapsuleStore(store), "fake-sglang:latest")
+    unit = cap.config.units[0]
+    assert cap.config.driver == "n610" and cap.config.engine.name == "sglang" and cap.config.weights.location == "external"
+    assert len(unit.driver_data["cuda_pids"]) == 1 and unit.driver_data["host_gpu_uuids"] == [g["uuid"] for g in fake_gpu_state.gpus()]
+    names = [p["name"] for p in receipt["phases"]]
+    assert names.index("validate") < names.index("release_memory") < names.index("checkpoint") < names.index("pack"), names
+
+
+def test_sparkrun_run_restores_through_cuda_restore_and_hydration(captured, sr):
+    _, store, recipe, port, receipt = captured
+    out = sr("run", str(recipe), "-H", "localhost", "--no-follow")
+    try:
+        assert "restored fake-sglang:latest" in out.stderr + out.stdout, out.stderr[-2000:]
+        assert ask(port) == receipt["validation"]["reply"]
+        cap = capsule_mod.open_capsule(CapsuleStore(store), "fake-sglang:latest")
+        (cuda_pid,) = cap.config.units[0].driver_data["cuda_pids"]
+        assert fake_gpu_state.read_proc(cuda_pid)["state"] == "running" and cuda_pid in pids(port)
+        r = json.loads(sorted((store / "receipts" / "fake-sglang").glob("*-restore.json"))[-1].read_text())
+        assert r["state"] == "succeeded" and r["weights"]["path"] == "recovery" and "hydrate" in [p["name"] for p in r["phases"]]
+        # What the restored server was asked, in order (sparkrun's logs read its fresh log):
+        # weights' memory back, the weights loaded into it, the KV cache back, then the validation.
+        logs = sr("logs", str(recipe), "-H", "localhost", "-n", "200").stdout
+        asked = [c for c in fake_calls(logs) if c[1] != "/health"]
+        assert asked[:4] == [("POST", "/resume_memory_occupation"), ("POST", "/update_weights_from_disk"), ("POST", "/resume_memory_occupation"), ("POST", "/v1/chat/completions")], logs[-3000:]
+        assert "Up (pid" in sr("status", "-H", "localhost").stdout
+    finally:
+        sr("stop", str(recipe), "-H", "localhost")
+    wait_no_process(port)
+
+
+def test_the_old_workload_serves_on_through_a_failed_staging_and_a_failed_pull(captured, sr, tmp_path):
+    """Both failures come before sparkrun stops the workload the run replaces: it keeps its
+    processes and its reply, and the failed run leaves no staging, no capsule and no blob
+    half-written. The recipes keep the file name, so each run replaces that same workload."""
+    _, store, recipe, port, receipt = captured
+    sr("run", str(recipe), "-H", "localhost", "--no-follow")
+    try:
+        before = pids(port)
+        assert before and ask(port) == receipt["validation"]["reply"]
+
+        # Staging: a layer of the capsule damaged in the store (another copy of it).
+        damaged = copy_store(store, tmp_path)
+        cap = capsule_mod.open_capsule(CapsuleStore(damaged), "fake-sglang:latest")
+        layer = max(cap.layers, key=lambda d: d.size)
+        tamper(CapsuleStore(damaged).blob_path(layer.digest))
+        bad = sglang_recipe(tmp_path / "staging", damaged, port)
+        cp = sr("run", str(bad), "-H", "localhost", "--no-follow", check=False)
+        assert cp.returncode != 0 and "failed verification" in cp.stderr + cp.stdout, (cp.stdout + cp.stderr)[-3000:]
+        assert pids(port) == before and ask(port) == receipt["validation"]["reply"]
+        assert not [p for p in CapsuleStore(damaged).staging.iterdir() if p.name not in ("uploads", "downloads")]
+        assert not list(Path("/dev/shm/coldsnap-staging").glob("restore-*"))
+        refused = json.loads(sorted((damaged / "receipts" / "fake-sglang").glob("*-restore.json"))[-1].read_text())
+        assert refused["state"] == "failed" and refused["error"]["code"] == "store.integrity"
+
+        # Pull: the capsule published, then a layer damaged in the registry; this host's store is empty.
+        registry = Registry(tmp_path / "registry").start()
+        try:
+            target = "%s/capsules/fake-sglang" % registry.host
+            sr.coldsnap("publish", "fake-sglang", target + ":latest", "--store", str(store), "--plain-http")
+            blob = registry.blob_file(layer.digest)
+            data = bytearray(blob.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            blob.write_bytes(bytes(data))
+            fresh = tmp_path / "fresh-store"
+            pulling = sglang_recipe(tmp_path / "pull", fresh, port, block="  on_missing: fail\n", capsule="    repository: %s\n    plain_http: true\n" % target)
+            cp = sr("run", str(pulling), "-H", "localhost", "--no-follow", check=False)
+            assert cp.returncode != 0 and "does not match its digest" in cp.stderr + cp.stdout, (cp.stdout + cp.stderr)[-3000:]
+        finally:
+            registry.stop()
+        assert pids(port) == before and ask(port) == receipt["validation"]["reply"]
+        assert CapsuleStore(fresh).entries() == [] and not CapsuleStore(fresh).has_blob(layer.digest)
+        assert "Up (pid" in sr("status", "-H", "localhost").stdout
+    finally:
+        sr("stop", str(recipe), "-H", "localhost")
+    wait_no_process(port)
+
+
+def test_a_restored_reply_that_differs_fails_the_run_stops_the_restored_tree_and_writes_a_failed_receipt(captured, sr, tmp_path):
+    _, store, _, port, receipt = captured
+    expecting = sglang_recipe(tmp_path / "expecting", store, port, validation="    expected_reply: not what it says\n")
+    cp = sr("run", str(expecting), "-H", "localhost", "--no-follow", check=False)
+    if cp.returncode == 0:  # it must not have served: stop what it started before failing
+        sr("stop", str(expecting), "-H", "localhost", check=False)
+    text = cp.stdout + cp.stderr
+    assert cp.returncode != 0 and "not what it says" in text, text[-3000:]
+    wait_no_process(port)
+    cap = capsule_mod.open_capsule(CapsuleStore(store), "fake-sglang:latest")
+    assert not [p for p in cap.config.units[0].pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    r = json.loads(sorted((store / "receipts" / "fake-sglang").glob("*-restore.json"))[-1].read_text())
+    assert r["state"] == "failed" and r["error"]["phase"] == "validate" and r["error"]["code"] == "validation.failed"
+    assert r["details"]["workload_state"] == "stopped" and r["validation"]["reply"] == receipt["validation"]["reply"] and not r["validation"]["passed"]
+    assert not [p for p in CapsuleStore(store).staging.iterdir() if p.name not in ("uploads", "downloads")]
