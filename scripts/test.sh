@@ -12,6 +12,11 @@ if ! command -v docker-registry >/dev/null 2>&1 || ! command -v openssl >/dev/nu
   # upgraded under a capsule makes its restores refuse).
   apt-get install -y -q --no-upgrade docker-registry openssl >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q --no-upgrade docker-registry openssl >/dev/null; }
 fi
+# A C compiler for the fake CUDA driver library the fake GPU host loads.
+if ! command -v cc >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q --no-upgrade gcc libc6-dev >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q --no-upgrade gcc libc6-dev >/dev/null; }
+fi
 # An sshd for the two-host tests (each network namespace runs its own).
 bash scripts/test-sshd.sh >/dev/null
 export SPARKRUN_NO_TELEMETRY=1 HF_HUB_OFFLINE=1
