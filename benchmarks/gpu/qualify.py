@@ -198,7 +198,7 @@ def cmd_samples(args) -> None:
     kept.write_text(json.dumps([s.__dict__ for s in results]))
     g = gpu_facts()
     gpu = {"gpus": [x.name for x in g.gpus], "nvidia_driver": g.nvidia_driver, "cuda": g.cuda_version}
-    measured = machine_bandwidth(args, store)
+    measured = machine_bandwidth(args)
     doc = bench.document(vanilla, results, capsules=capsules, drop_cache=True, extra={"gpu": gpu, "compile_cache": "warm (filled by the captures' starts)"}, bandwidth=measured)
     path, png = bench.write(doc, args.out)
     for s in new:
@@ -208,7 +208,7 @@ def cmd_samples(args) -> None:
     print("results: %s %s" % (path, png or ""))
 
 
-def machine_bandwidth(args, store: CapsuleStore) -> dict[str, float]:
+def machine_bandwidth(args) -> dict[str, float]:
     """Disk, page cache and fresh memory from the plugin's side (on the native payload, the
     largest file a restore reads), host to device in the engine's interpreter."""
     payloads = sorted(paths.coldsnap_home().glob("native/*/rank-0.bin"), key=lambda p: p.stat().st_size)
@@ -225,7 +225,7 @@ def machine_bandwidth(args, store: CapsuleStore) -> dict[str, float]:
 
 
 def cmd_bandwidth(args) -> None:
-    machine_bandwidth(args, CapsuleStore(args.work / "store"))
+    machine_bandwidth(args)
 
 
 def cmd_other_gpu(args) -> None:

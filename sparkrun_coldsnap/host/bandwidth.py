@@ -13,45 +13,26 @@ from __future__ import annotations
 import mmap
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from sparkrun_coldsnap.host.chunked_read import read_chunks
+
 CHUNK = 64 << 20
-ALIGN = 4096
 
 
-def _read_all(path: Path, limit: int, *, direct: bool, threads: int = 8) -> int:
-    flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
-    fd = os.open(path, flags)
-    try:
-        size = min(os.fstat(fd).st_size, limit)
-        size -= size % ALIGN
-
-        def one(offset: int) -> int:
-            buf = mmap.mmap(-1, CHUNK)  # page-aligned, as direct reads want
-            try:
-                return os.preadv(fd, [memoryview(buf)[: min(CHUNK, size - offset)]], offset)
-            finally:
-                buf.close()
-
-        with ThreadPoolExecutor(threads) as pool:
-            return sum(pool.map(one, range(0, size, CHUNK)))
-    finally:
-        os.close(fd)
-
-
-def disk_read(path: Path, limit: int = 4 << 30) -> float:
-    """Bytes per second read from the disk (direct I/O, several readers) from *path*."""
+def disk_read(path: Path, limit: int = 4 << 30) -> float | None:
+    """Bytes per second read from the disk (direct I/O, several readers) from *path*; None
+    where its file system has no direct I/O (a tmpfs: no disk to measure)."""
     t = time.monotonic()
-    n = _read_all(path, limit, direct=True)
-    return n / max(time.monotonic() - t, 1e-9)
+    n, direct = read_chunks(path, limit=limit)
+    return n / max(time.monotonic() - t, 1e-9) if direct else None
 
 
 def page_cache_read(path: Path, limit: int = 4 << 30) -> float:
     """Bytes per second copied out of the page cache: *path* read once to cache it, then timed."""
-    _read_all(path, limit, direct=False)
+    read_chunks(path, limit=limit, direct=False)
     t = time.monotonic()
-    n = _read_all(path, limit, direct=False)
+    n, _ = read_chunks(path, limit=limit, direct=False)
     return n / max(time.monotonic() - t, 1e-9)
 
 
@@ -78,6 +59,8 @@ def measure(sample_file: Path | None, *, drop_cache: bool) -> dict[str, float]:
     if sample_file is not None and sample_file.is_file():
         if drop_cache:
             drop()
-        out["disk_read"] = disk_read(sample_file)
+        disk = disk_read(sample_file)
+        if disk is not None:
+            out["disk_read"] = disk
         out["page_cache_read"] = page_cache_read(sample_file)
     return out

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from sparkrun_coldsnap.capsule.config import CapsuleConfig, ModelFile
 from sparkrun_coldsnap.documents.request import Workload
 from sparkrun_coldsnap.drivers.base import SnapshotDriver
 from sparkrun_coldsnap.engines.base import EngineAdapter
 from sparkrun_coldsnap.weights import native_payload
+
+if TYPE_CHECKING:
+    from sparkrun_coldsnap.weights.weights_memory import WeightsInMemory
 
 
 def writes_native(w: Workload, driver: SnapshotDriver, adapter: EngineAdapter) -> bool:
@@ -34,7 +37,7 @@ class WeightChoice:
     note: str | None = None  # why auto did not take native
     problem: str | None = None  # what refuses the restore
     cached: bool = False  # preparation read the files into the page cache
-    in_memory: Any = None  # weights_memory.WeightsInMemory: preparation copied the payload into memory
+    in_memory: WeightsInMemory | None = None  # preparation copied the payload into memory
 
     def release_memory(self) -> None:
         if self.in_memory is not None:

@@ -15,18 +15,17 @@ cache does not hold a second copy.
 from __future__ import annotations
 
 import dataclasses
-import mmap
 import os
 import subprocess
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sparkrun_coldsnap.errors import ToolError
 from sparkrun_coldsnap.host import paths
+from sparkrun_coldsnap.host.chunked_read import read_chunks
 from sparkrun_coldsnap.weights import page_cache, weight_paths
 
 if TYPE_CHECKING:
@@ -35,7 +34,6 @@ if TYPE_CHECKING:
     from sparkrun_coldsnap.progress import Progress
     from sparkrun_coldsnap.weights.weight_paths import WeightChoice
 
-CHUNK = 64 << 20
 READERS = 8
 SLACK = 64 << 20  # room beyond the files: tmpfs rounds each file up to whole huge pages
 
@@ -76,43 +74,17 @@ def _mount(size: int) -> tuple[Path, bool]:
 
 def _copy(src: Path, dst: Path) -> int:
     """Copy *src* to *dst* in chunks by several threads; direct reads where allowed."""
-    size = src.stat().st_size
-    try:
-        fd_in, direct = os.open(src, os.O_RDONLY | getattr(os, "O_DIRECT", 0)), True
-    except OSError:
-        fd_in, direct = os.open(src, os.O_RDONLY), False
-    plain_in = os.open(src, os.O_RDONLY) if direct else fd_in
     fd_out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
 
-    def one(offset: int) -> int:
-        n = min(CHUNK, size - offset)
-        buf = mmap.mmap(-1, CHUNK)  # page-aligned, as direct reads want
-        view, done = memoryview(buf), 0
-        try:
-            if direct:
-                try:  # a direct read of the last chunk may stop short of a block boundary
-                    done = min(os.preadv(fd_in, [view[: (n + 4095) // 4096 * 4096]], offset), n)
-                except OSError:
-                    done = 0
-            while done < n:
-                got = os.preadv(plain_in, [view[done:n]], offset + done)
-                if got <= 0:
-                    raise OSError("%s ended at byte %d of %d" % (src, offset + done, size))
-                done += got
-            written = 0
-            while written < n:
-                written += os.pwrite(fd_out, view[written:n], offset + written)
-            return n
-        finally:
-            view.release()
-            buf.close()
+    def write(offset: int, view: memoryview) -> None:
+        written = 0
+        while written < len(view):
+            written += os.pwrite(fd_out, view[written:], offset + written)
 
     try:
-        with ThreadPoolExecutor(READERS) as pool:
-            return sum(pool.map(one, range(0, size, CHUNK)))
+        return read_chunks(src, write, threads=READERS)[0]
     finally:
-        for fd in {fd_in, plain_in, fd_out}:
-            os.close(fd)
+        os.close(fd_out)
 
 
 def copy_into_memory(files: list[Path]) -> WeightsInMemory:
