@@ -130,15 +130,16 @@ def test_a_request_of_units_validates_against_its_schema_and_keeps_unit_secrets_
     assert "hf_secret_value" not in json.dumps(stored) and stored["topology"]["units"][1]["env"]["HF_TOKEN"].startswith("sha256:")
 
 
-def test_capture_and_restore_refuse_several_units_in_one_line(tmp_path):
+def test_a_request_document_of_several_units_is_refused_in_one_line_naming_the_way_through_sparkrun(tmp_path):
     workload = two_host_workload(tmp_path)
     capture = CaptureRequest(workload=workload, validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="two-hosts"))
     with pytest.raises(RequestError) as err:
         api.capture(capture, store=tmp_path / "store")
     assert err.value.code == "request.multi_host"
-    assert err.value.message == ("multi-host capture is not available yet: the recipe places 2 launch units (rank-0 on 198.18.0.1, rank-1 on 198.18.0.2); capture it on one host (-H HOST)")
+    assert err.value.message.startswith("a request document of several launch units cannot be run as it is: the recipe places 2 (rank-0 on 198.18.0.1, rank-1 on 198.18.0.2)")
+    assert "capture the recipe through sparkrun (sparkrun coldsnap capture RECIPE --cluster NAME" in err.value.message
     restore = RestoreRequest(workload=workload, validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="two-hosts"), workload_name="w")
-    with pytest.raises(RequestError, match=r"^multi-host restore is not available yet: the recipe places 2 launch units") as err:
+    with pytest.raises(RequestError, match=r"^a request document of several launch units cannot be run as it is: the recipe places 2 ") as err:
         api.prepare(restore, store=tmp_path / "store")
     assert "\n" not in err.value.message
 
@@ -169,3 +170,75 @@ def test_sparkrun_places_a_multi_host_cpu_run_and_the_plugin_makes_one_unit_per_
     assert [(u["name"], u["host"]) for u in units] == [("rank-0", two_node.addresses[0]), ("rank-1", two_node.addresses[1])]
     assert "--node-rank 0 --master-addr %s" % two_node.addresses[0] in units[0]["command"] and "--headless" not in units[0]["command"]
     assert units[1]["command"].endswith("--node-rank 1 --master-addr %s --master-port 25000 --headless" % two_node.addresses[0])
+
+
+def _capsule_of(workload):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(config=SimpleNamespace(workload=workload))
+
+
+def test_a_placement_other_than_the_captured_one_is_named_unit_by_unit(tmp_path):
+    from sparkrun_coldsnap.controller.units_restore import refuse_topology, topology_problems
+    from sparkrun_coldsnap.errors import CompatibilityError
+
+    captured = two_host_workload(tmp_path)
+    a, b = captured.topology.units
+    swapped = captured.model_copy(update={"topology": captured.topology.model_copy(update={"units": (a.model_copy(update={"host": b.host}), b.model_copy(update={"host": a.host}))})})
+    req = RestoreRequest(workload=swapped, validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="two-hosts"), workload_name="w")
+    assert topology_problems(_capsule_of(captured), req) == [
+        "unit rank-0 ran on host %s at capture, the run places it on host %s" % (a.host, b.host),
+        "unit rank-1 ran on host %s at capture, the run places it on host %s" % (b.host, a.host),
+    ]
+    with pytest.raises(CompatibilityError) as err:
+        refuse_topology(_capsule_of(captured), req)
+    assert err.value.code == "compatibility.topology" and "\n" not in err.value.message
+    assert "run on the captured hosts in rank order (-H %s,%s)" % (a.host, b.host) in err.value.message
+    solo = captured.model_copy(update={"topology": captured.topology.model_copy(update={"units": (a.model_copy(update={"name": "solo"}),)})})
+    one = RestoreRequest(workload=solo, validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="two-hosts"), workload_name="w")
+    assert topology_problems(_capsule_of(captured), one) == [
+        "the capsule has 2 units (rank-0 on %s, rank-1 on %s), the run places 1 (solo on %s)" % (a.host, b.host, a.host)
+    ]
+    same = RestoreRequest(workload=captured, validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="two-hosts"), workload_name="w")
+    assert topology_problems(_capsule_of(captured), same) == []
+
+
+class _Cut:
+    """A cut whose second unit's dump fails, recording what was done to each unit."""
+
+    def __init__(self):
+        self.done = []
+
+    def stop(self, u):
+        self.done.append(("stop", u.unit))
+
+    def dump(self, u):
+        if u.unit == "rank-1":
+            from sparkrun_coldsnap.errors import CaptureError
+
+            raise CaptureError("dumping unit rank-1 on host b: criu was killed")
+        self.done.append(("dump", u.unit))
+        return u.unit
+
+    def resume(self, u):
+        self.done.append(("resume", u.unit))
+
+    def discard(self, u):
+        self.done.append(("discard", u.unit))
+
+
+def test_a_capture_cut_whose_dump_fails_resumes_what_runs_and_keeps_nothing():
+    from sparkrun_coldsnap.controller.coordinated_checkpoint import UnitOnHost, checkpoint_units
+    from sparkrun_coldsnap.errors import CaptureError
+
+    cut = _Cut()
+    units = [UnitOnHost("rank-0", "a", 10, "/i0"), UnitOnHost("rank-1", "b", 20, "/i1")]
+    with pytest.raises(CaptureError) as err:
+        checkpoint_units(cut, units, resume=False)
+    assert err.value.message == "dumping unit rank-1 on host b: criu was killed; every unit still running was resumed and nothing was kept"
+    assert cut.done[:2] == [("stop", "rank-0"), ("stop", "rank-1")]  # every unit stopped before any dump
+    assert {("resume", "rank-0"), ("resume", "rank-1"), ("discard", "rank-0"), ("discard", "rank-1")} <= set(cut.done)
+    ok = _Cut()
+    ok.dump = lambda u: u.unit  # type: ignore[method-assign]
+    done = checkpoint_units(ok, units, resume=False)
+    assert done.dumped == {"rank-0": "rank-0", "rank-1": "rank-1"} and not any(step == "resume" for step, _ in ok.done)

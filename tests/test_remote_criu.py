@@ -58,8 +58,8 @@ DRIVE = textwrap.dedent(
     import json, shlex, sys, time
     from sparkrun_coldsnap.drivers.criu_tool import Criu
     from sparkrun_coldsnap.errors import ColdsnapError
-    from sparkrun_coldsnap.integration.coordinated_checkpoint import UnitOnHost, checkpoint_units
-    from sparkrun_coldsnap.integration.remote_criu import RemoteCriu
+    from sparkrun_coldsnap.controller.coordinated_checkpoint import UnitOnHost, checkpoint_units
+    from sparkrun_coldsnap.integration.remote_criu import CriuCut, RemoteCriu
     from sparkrun_coldsnap.integration.transport import open_cluster
 
     server, client, mode = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -101,7 +101,7 @@ DRIVE = textwrap.dedent(
             if mode.endswith("kill-criu"):
                 kill_criu_of(hosts, b, images[b])
             if mode.startswith("coordinated"):
-                done = checkpoint_units(criu, units)
+                done = checkpoint_units(CriuCut(criu), units)
                 out["barriers"], out["phases"] = done.barriers, done.phases
             else:
                 for u in units:

@@ -52,7 +52,12 @@ def capture(recipe, hosts, cluster, options, offline, store, request_file, tag, 
     progress = Progress(quiet=as_json)
     say_if_replacing(capsule_store, req.capsule.ref)
     try:
-        out = api.capture(req, store=capsule_store, progress=progress)
+        if request_file is None and len(req.workload.topology.units) > 1:
+            from sparkrun_coldsnap.integration import unit_operations
+
+            out = unit_operations.capture(actx, req, store=capsule_store, progress=progress)
+        else:
+            out = api.capture(req, store=capsule_store, progress=progress)
     except ColdsnapError as err:
         failed = save_failure_receipt(err, receipt_file, capsule_store.receipts, req.capsule.name)
         if failed is not None:

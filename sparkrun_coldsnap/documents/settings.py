@@ -56,6 +56,9 @@ class Settings:
     criu: tuple[str, ...] = ()
     #: ``COLDSNAP_CUDA_PYTHON``: the interpreter of the CUDA checkpoint helper (None: this one).
     cuda_python: str | None = None
+    #: ``COLDSNAP_HOST_PYTHON``: the plugin's interpreter on the other hosts of a cluster, where
+    #: the steps of a multi-host capture or restore run (None: this one's path, the same there).
+    host_python: str | None = None
     #: ``COLDSNAP_DEBUG``: tracebacks and debug logs.
     debug: bool = False
     #: ``COLDSNAP_LIFECYCLE_DIR``: the lifecycle's workload records and locks (None: ``<home>/run/lifecycle``).
@@ -98,6 +101,7 @@ class Settings:
             template_preload=tuple(m for m in env.get("COLDSNAP_TEMPLATE_PRELOAD", "").split(",") if m),
             criu=tuple(env.get("COLDSNAP_CRIU", "").split()),
             cuda_python=env.get("COLDSNAP_CUDA_PYTHON") or None,
+            host_python=env.get("COLDSNAP_HOST_PYTHON") or None,
             debug=bool(env.get("COLDSNAP_DEBUG")),
             lifecycle_dir=_path(env["COLDSNAP_LIFECYCLE_DIR"]) if env.get("COLDSNAP_LIFECYCLE_DIR") else None,
             cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),

@@ -44,6 +44,11 @@ BASE_FLAGS = ("--ext-unix-sk", "--file-locks", "--link-remap", "--ghost-limit", 
 # (capture refuses others), so no packet can reach them mid-dump: the network
 # lock, which needs iptables or nftables, is not needed.
 TCP_FLAGS = ("--tcp-established", "--network-lock", "skip")
+# A unit of a workload spread over several hosts holds connections to the other hosts' units:
+# CRIU's network lock (iptables rules for each connection, in the host's network namespace)
+# keeps this side silent while its peer is being dumped or restored, so the peer's kernel
+# never answers a probe from it with a reset.
+PEER_TCP_FLAGS = ("--tcp-established", "--network-lock", "iptables")
 SHARED_DIR = "coldsnap-shared"
 log = logging.getLogger(__name__)
 DUMP_LOG = "dump.log"
@@ -72,10 +77,20 @@ def _listing(dirs: set[Path]) -> set[Path]:
     return out
 
 
+def tcp_flags(unit: UnitImage) -> tuple[str, ...]:
+    """CRIU's options for the unit's established connections (none: it had none)."""
+    if not unit.tcp_established:
+        return ()
+    return PEER_TCP_FLAGS if unit.driver_data.get("peer_connections") else TCP_FLAGS
+
+
 def dump(
     criu: Criu, root_pid: int, images: Path, *, unit: str, host: str, driver: str, progress: Progress, leave_running: bool = False,
+    peers: bool = False,
 ) -> UnitImage:  # fmt: skip
-    """Dump the tree at *root_pid* into *images*; on success the tree is gone unless *leave_running*."""
+    """Dump the tree at *root_pid* into *images*; on success the tree is gone unless *leave_running*.
+
+    *peers*: the tree holds connections to units on other hosts, dumped at the same cut."""
     images.mkdir(parents=True, exist_ok=True)
     pids = tuple(tree_pids(root_pid))
     shared = shared_memory_files(root_pid)
@@ -84,7 +99,7 @@ def dump(
     resource = _output_resource(root_pid)
     dirs = _remap_dirs(shared)
     before = _listing(dirs)
-    args = ["dump", "-t", str(root_pid), "-D", str(images), "-o", DUMP_LOG, *BASE_FLAGS, *(TCP_FLAGS if tcp else ())]
+    args = ["dump", "-t", str(root_pid), "-D", str(images), "-o", DUMP_LOG, *BASE_FLAGS, *((PEER_TCP_FLAGS if peers else TCP_FLAGS) if tcp else ())]
     if leave_running:
         args.append("--leave-running")
     progress("criu dump of %d processes" % len(pids))
@@ -101,7 +116,8 @@ def dump(
         )
     remaps = sorted(_listing(dirs) - before)
     saved = _save_shared(images, [Path(p) for p in shared] + remaps, owner_gone=not leave_running)
-    return unit_image(criu, images, unit=unit, host=host, driver=driver, pids=pids, resource=resource, saved=saved, tcp=tcp, listening=listening)
+    image = unit_image(criu, images, unit=unit, host=host, driver=driver, pids=pids, resource=resource, saved=saved, tcp=tcp, listening=listening)
+    return image.model_copy(update={"driver_data": {"peer_connections": True}}) if peers and tcp else image
 
 
 def unit_image(
@@ -355,7 +371,7 @@ def restore(
     try:
         inherit = ["--inherit-fd", "fd[%d]:%s" % (log_fd, unit.log_resource)] if unit.log_resource else []
         args = ["restore", "-d", "-D", str(images), "-o", RESTORE_LOG, "--pidfile", str(pidfile), *BASE_FLAGS]
-        args += list(TCP_FLAGS if unit.tcp_established else ()) + inherit + list(extra_args)
+        args += list(tcp_flags(unit)) + inherit + list(extra_args)
         if lazy:
             daemon = _start_lazy_daemon(criu, images, owned_dir)
             args.append("--lazy-pages")

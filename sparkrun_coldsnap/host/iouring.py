@@ -50,6 +50,29 @@ def io_uring_disabled() -> Iterator[None]:
         os.close(fd)
 
 
+def hold_off() -> str | None:
+    """Turn io_uring off until :func:`put_back_after_crash` puts it back: for a capture whose
+    engine runs on another host, where no process of the capture stays to hold the switch.
+    The value to put back is kept as a crashed capture's is, so a later ``recover`` finds it
+    too. Returns the value before (None: no switch on this kernel)."""
+    if not SYSCTL.exists():
+        return None
+    fd = _lock()
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        old = _marker_value() or SYSCTL.read_text().strip()
+        if old != "2":
+            _marker().write_text(old)
+            try:
+                SYSCTL.write_text("2")
+            except OSError as err:
+                _marker().unlink(missing_ok=True)
+                raise CaptureError("cannot disable io_uring for the capture (%s): run as root, or set kernel.io_uring_disabled=2 yourself" % err.strerror) from err
+        return old
+    finally:
+        os.close(fd)
+
+
 def _lock() -> int:
     lock_path = paths.run_dir() / "io_uring.lock"
     lock_path.parent.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sparkrun_coldsnap.controller.coordinated_checkpoint import UnitOnHost
 from sparkrun_coldsnap.errors import CaptureError, RestoreError, ToolError
 from sparkrun_coldsnap.integration.transport import ClusterHosts
 
@@ -82,3 +83,27 @@ class RemoteCriu:
         if done.returncode != 0:
             raise RestoreError("restoring unit %s on host %s: criu failed (exit %d): %s" % (unit, host, done.returncode, self._log_tail(host, "%s/%s" % (images, RESTORE_LOG))))
         return RemoteStep(host, time.monotonic() - t0)
+
+
+class CriuCut:
+    """A coordinated checkpoint's steps (``controller/coordinated_checkpoint.py``) done with
+    CRIU run directly on each host: trees stopped and continued by process group."""
+
+    def __init__(self, criu: RemoteCriu, *, tcp: bool = True) -> None:
+        self.criu = criu
+        self.tcp = tcp
+
+    def _signal(self, u: UnitOnHost, sig: str) -> None:
+        self.criu.hosts.run(u.host, ["kill", "-%s" % sig, "--", "-%d" % u.root_pid], timeout=60)
+
+    def stop(self, u: UnitOnHost) -> None:
+        self._signal(u, "STOP")
+
+    def resume(self, u: UnitOnHost) -> None:
+        self._signal(u, "CONT")
+
+    def dump(self, u: UnitOnHost) -> RemoteStep:
+        return self.criu.dump(u.host, u.unit, u.root_pid, u.images, tcp=self.tcp, leave_running=True)
+
+    def discard(self, u: UnitOnHost) -> None:
+        self.criu.hosts.run(u.host, ["rm", "-rf", "--", u.images], timeout=120, check=False)

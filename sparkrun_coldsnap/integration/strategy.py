@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from sparkrun_coldsnap import api, controller
+from sparkrun_coldsnap.capsule.capsule import open_capsule
 from sparkrun_coldsnap.capsule.store import CapsuleStore
+from sparkrun_coldsnap.controller.units_restore import refuse_topology
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import Receipt, save_failure_receipt, save_receipt
 from sparkrun_coldsnap.documents.recipe_block import ColdsnapBlock
@@ -104,12 +106,23 @@ class Strategy:
                         "capsule %s is not in %s and the recipe sets on_missing: fail: run `sparkrun coldsnap capture %s` first"
                         % (req.capsule.ref, store.root, source_of(context.execution.plan.recipe))
                     ) from None
-            if len(req.workload.topology.units) > 1:
-                # Restoring several units is not built yet; with no capsule the ranks start vanilla.
-                try:
-                    store.resolve(req.capsule.ref)
-                except NotFoundError:
+            multi = len(req.workload.topology.units) > 1
+            try:
+                cap = open_capsule(store, req.capsule.ref)
+            except NotFoundError:
+                if multi:  # with no capsule the ranks start vanilla
                     return api.Plan(req, store, settings, vanilla_because="no capsule %s in %s yet" % (req.capsule.ref, store.root))
+                cap = None
+            if cap is not None and (multi or len(cap.config.units) > 1):
+                # Several units, or a capsule of several: the placement must be the captured one.
+                refuse_topology(cap, req)
+            if multi:
+                from sparkrun_coldsnap.integration import unit_operations
+
+                units = unit_operations.prepare(context, req, store=store, progress=Progress())
+                _say("capsule %s admitted on %d hosts and staged on each in %.1f s (before the old workload is stopped)" % (
+                    req.capsule.ref, len(req.workload.topology.units), units.prepared.prepare_seconds))  # fmt: skip
+                return units
             old_root, replacing = _replaced_tree(req)
             req, warm = run_hooks.before_prepare(req, store, settings, _say)  # hibernated or warm: that state comes back
             if warm is not None:
@@ -138,6 +151,10 @@ class Strategy:
             if state.text != "planning only":
                 _say(state.text)
             return ActivationResult(rc=0, runtime_info={"coldsnap": "dry-run"})
+        from sparkrun_coldsnap.integration.unit_operations import UnitsPlan
+
+        if isinstance(state, UnitsPlan):
+            return self._activate_units(context, state)
         plan: api.Plan = state
         if len(plan.request.workload.topology.units) > 1 and plan.prepared is None:
             return self._start_distributed(context, plan)
@@ -180,6 +197,23 @@ class Strategy:
             )
         return ActivationResult(rc=0, runtime_info={"coldsnap": "restored %s" % digest, "coldsnap_ttft_s": ttft})
 
+
+    def _activate_units(self, context: Any, plan: Any) -> Any:
+        """Every unit restored on its host, validated through rank 0, recorded as sparkrun's ranks."""
+        from sparkrun.plugins import ActivationResult
+
+        req = plan.prepared.request
+        try:
+            out = plan.activate(progress=Progress())
+        except ColdsnapError as err:
+            _write_failure_receipt(context, err)
+            raise RuntimeError(str(err)) from None
+        _write_receipt(context, out.receipt)
+        units = req.workload.topology.units
+        digest = (out.receipt.capsule or "")[:19]
+        _say("restored %s (%s): distributed state restored %d/%d on %s; first token through rank 0 %.2f s after the restore began, reply matches capture" % (
+            req.capsule.ref, digest, len(units), len(units), ", ".join(u.host for u in sorted(units, key=lambda u: u.rank)), out.ttft_seconds or 0))  # fmt: skip
+        return ActivationResult(rc=0, runtime_info={"coldsnap": "restored %s on %d hosts" % (digest, len(units)), "coldsnap_ttft_s": "%.2f" % (out.ttft_seconds or 0)})
 
     def _start_distributed(self, context: Any, plan: api.Plan) -> Any:
         """Every rank started on its host by the plugin (sparkrun's own native launch cannot run

@@ -46,6 +46,20 @@ class ClusterHosts:
             raise ToolError("%s: %s" % (what, done.tail()))
         return done
 
+    def read_range(self, host: str, path: str, offset: int, length: int, *, timeout: float = 600.0) -> bytes:
+        """*length* bytes of file *path* on *host* from *offset*, as they are (no decoding)."""
+        from sparkrun.plugins import HostSessionError
+
+        self._known(host)
+        script = "dd if=%s bs=1M skip=%d count=%d iflag=skip_bytes,count_bytes status=none" % (shlex.quote(path), offset, length)
+        try:
+            res = self._session.execute(host, ["sh", "-c", script], timeout=timeout)
+        except HostSessionError as err:
+            raise ToolError("reading %s on host %s failed: %s" % (path, host, err)) from err
+        if res.returncode != 0:
+            raise ToolError("reading %s on host %s failed: %s" % (path, host, res.stderr.decode(errors="replace").strip()[-300:] or "exit %d" % res.returncode))
+        return bytes(res.stdout)
+
     def upload(self, host: str, sources: Sequence[str], destination: str, *, recursive: bool = False) -> None:
         """Copy local *sources* to *destination* on *host* (scp underneath)."""
         from sparkrun.plugins import HostSessionError

@@ -23,8 +23,12 @@ from sparkrun_coldsnap.errors import RequestError
 from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.host.runner import run
 
+# ``python -c`` puts the working directory first on sys.path: a package's metadata lying there
+# (a source checkout's egg-info) would count as installed, and the engine's identity would
+# depend on where the plugin was started (another host's agent starts in its home).
 _FACTS = r"""
 import json, sys, importlib.metadata as m
+sys.path[:] = [p for p in sys.path if p not in ("", ".")]
 pk = {}
 for d in m.distributions():
     name = (d.metadata["Name"] or "").lower().replace("_", "-")

@@ -1,0 +1,280 @@
+"""A workload placed as several launch units, one per host: captured at one cut, restored together.
+
+Capture: every host answers before anything starts; the ranks are started on their hosts
+(head first, workers once the head listens on the rendezvous port) and validated through
+rank 0; every unit's files are recorded on its host; the units are checkpointed at one
+consistent cut (``coordinated_checkpoint``) and stopped there; each host leaves its zero
+pages out and packs its own unit's layers, which are gathered (digests checked) into the
+one store; the capsule is published only when every unit's layers are in.
+
+Restore: the capsule's topology must be the run's (host count, each rank on the host it was
+captured on: the ranks' connections come back as they were, to the captured addresses);
+every unit is admitted on its own host with that host's fingerprint; each host receives and
+unpacks its unit's layers; all before anything is stopped. Then the workload being replaced
+is stopped, every unit is restored on its host at once, still stopped at the cut, every unit
+is continued, recorded as its rank (sparkrun's ``status``/``stop`` see it) and the reply
+through rank 0 is checked against the one recorded at capture.
+
+Any failure stops what this operation started on every host and removes what it staged; a
+failure before the restore leaves the workload being replaced as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from sparkrun_coldsnap.capsule import capsule as capsule_mod
+from sparkrun_coldsnap.capsule.config import CapsuleConfig, CapturedValidation, EngineRecord, WeightsRecord
+from sparkrun_coldsnap.capsule.pack import PackedLayer
+from sparkrun_coldsnap.capsule.store import CapsuleStore
+from sparkrun_coldsnap.compat import pinning
+from sparkrun_coldsnap.controller.capture import CaptureOutcome
+from sparkrun_coldsnap.controller.common import Resolved, finish, resolve, validate
+from sparkrun_coldsnap.controller.coordinated_checkpoint import UnitOnHost, checkpoint_units
+from sparkrun_coldsnap.documents import settings as settings_mod
+from sparkrun_coldsnap.documents.receipts import ReceiptBuilder, Validation
+from sparkrun_coldsnap.documents.request import CaptureRequest, LaunchUnit, RestoreRequest, Workload
+from sparkrun_coldsnap.documents.settings import Settings
+from sparkrun_coldsnap.drivers.base import UnitImage
+from sparkrun_coldsnap.engines.base import Endpoint
+from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, RequestError, ValidationError
+from sparkrun_coldsnap.host.file_drift import RecordedFile
+from sparkrun_coldsnap.launch.remote import UnitHosts
+from sparkrun_coldsnap.progress import QUIET, Progress
+from sparkrun_coldsnap.weights import model_files
+
+#: drivers whose units can be captured across hosts (what the GPU drivers still need there:
+#: docs/architecture.md, "Several hosts").
+MULTI_HOST_DRIVERS = ("cpu",)
+
+
+def ordered(w: Workload) -> list[LaunchUnit]:
+    return sorted(w.topology.units, key=lambda u: u.rank)
+
+
+def _parallel(units: Sequence[LaunchUnit], step: Callable[[LaunchUnit], Any]) -> dict[str, Any]:
+    """*step* of every unit at once; every unit's outcome waited for, then the first failure raised."""
+    with ThreadPoolExecutor(max_workers=max(1, len(units))) as pool:
+        futures = {u.name: pool.submit(step, u) for u in units}
+        out, errors = {}, []
+        for u in units:
+            try:
+                out[u.name] = futures[u.name].result()
+            except ColdsnapError as err:
+                errors.append(err)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def _resolved(w: Workload, settings: Settings) -> Resolved:
+    r = resolve(w, settings)
+    if r.driver.name not in MULTI_HOST_DRIVERS:
+        raise RequestError(
+            "driver %s cannot capture a workload of several hosts yet (%s can): capture each host's engine on its own, or use driver: cpu for a CPU engine"
+            % (r.driver.name, ", ".join(MULTI_HOST_DRIVERS)),
+            code="request.multi_host",
+        )
+    return r
+
+
+def rank0_endpoint(r: Resolved, w: Workload, hosts: UnitHosts) -> Endpoint:
+    head = ordered(w)[0]
+    e = r.adapter.endpoint(w.launch.command, w.model.id, w.launch.port)
+    return Endpoint(e.base_url.replace("127.0.0.1", hosts.head_address(head), 1), e.served_model)
+
+
+class _AgentCut:
+    """The coordinated checkpoint's steps, each on the unit's host through its agent."""
+
+    def __init__(self, hosts: UnitHosts, units: dict[str, LaunchUnit], driver: str) -> None:
+        self.hosts, self.units, self.driver = hosts, units, driver
+
+    def stop(self, u: UnitOnHost) -> None:
+        self.hosts.signal_group(self.units[u.unit], u.root_pid, "STOP")
+
+    def resume(self, u: UnitOnHost) -> None:
+        self.hosts.signal_group(self.units[u.unit], u.root_pid, "CONT")
+
+    def dump(self, u: UnitOnHost) -> UnitImage:
+        doc = {"root_pid": u.root_pid, "images": u.images, "unit": u.unit, "host": u.host, "driver": self.driver}
+        try:
+            answer = self.hosts.agent(self.units[u.unit], "dump", doc, timeout=1800)
+        except ColdsnapError as err:
+            raise CaptureError("dumping %s" % err.message) from err
+        return UnitImage.model_validate(answer["image"])
+
+    def discard(self, u: UnitOnHost) -> None:
+        self.hosts.agent(self.units[u.unit], "remove", {"paths": [u.images]}, timeout=300)
+
+
+@contextlib.contextmanager
+def _io_uring_off(hosts: UnitHosts, units: Sequence[LaunchUnit]):
+    """io_uring off on every unit's host while their engines start and are dumped."""
+    done: list[LaunchUnit] = []
+    try:
+        for u in units:
+            hosts.agent(u, "io_uring_off", {}, timeout=60)
+            done.append(u)
+        yield
+    finally:
+        for u in reversed(done):
+            with contextlib.suppress(ColdsnapError):
+                hosts.agent(u, "io_uring_back", {}, timeout=60)
+
+
+def start_units(r: Resolved, req: CaptureRequest | RestoreRequest, hosts: UnitHosts, rb: ReceiptBuilder, progress: Progress, *, init_port: int) -> tuple[Validation, float]:
+    """Every unit started on its host (head first), ready and validated through rank 0; (validation, t0)."""
+    w = req.workload
+    units = ordered(w)
+    t0 = time.monotonic()
+    for u in units:
+        if u.rank == 1:
+            with rb.phase("rendezvous.wait"):
+                progress.step("waiting for the head on %s to open port %d" % (units[0].host, init_port))
+                hosts.wait_rendezvous(units[0], init_port)
+        progress.step("starting %s on %s" % (u.name, u.host))
+        with rb.phase("launch.%s" % u.name):
+            hosts.start(u, u.command or w.launch.command, {**w.launch.env, **u.env})
+    endpoint = rank0_endpoint(r, w, hosts)
+    with rb.phase("ready"), progress.waiting("waiting for rank 0 to answer on %s" % endpoint.base_url):
+        try:
+            r.adapter.wait_ready(endpoint, alive=hosts.alive, timeout=req.ready_timeout_seconds)
+        except ColdsnapError as err:
+            dead = hosts.dead_units()
+            raise type(err)("%s%s" % (err.message, " (%s)" % "; ".join(dead) if dead else "")) from err
+    with rb.phase("validate"):
+        validation = validate(r, endpoint, req, t0, req.validation.expected_reply)
+    rb.validation = validation
+    if not validation.passed:
+        raise ValidationError("rank 0 on %s replied %r, the recipe expects %r: fix coldsnap.validation.expected_reply" % (units[0].host, validation.reply, validation.expected_reply))
+    return validation, t0
+
+
+def stop_on_failure(rb: ReceiptBuilder, hosts: UnitHosts, err: BaseException, cleanups: list[Callable[[], None]], what: str) -> None:
+    """Stop every unit this operation started, run its cleanups, give the error its receipt."""
+    problems = hosts.stop_all()
+    for cleanup in reversed(cleanups):
+        try:
+            cleanup()
+        except ColdsnapError as cleanup_err:
+            problems.append(cleanup_err.message)
+    if isinstance(err, ColdsnapError):
+        err.args = ("%s; %s%s" % (err.message, what, " (%s)" % "; ".join(problems) if problems else ""),)
+        err.receipt = finish(rb, err)
+
+
+def capture_units(
+    req: CaptureRequest, hosts: UnitHosts, *, store: CapsuleStore, init_port: int, settings: Settings | None = None, progress: Progress = QUIET,
+) -> CaptureOutcome:  # fmt: skip
+    """Start every unit on its host, validate through rank 0, checkpoint all at one cut, publish."""
+    settings = settings or settings_mod.current()
+    rb = ReceiptBuilder("capture", request_sha256=req.digest())
+    rb.capsule_ref, rb.secrets = req.capsule.ref, req.workload.secret_values()
+    w = req.workload
+    units = ordered(w)
+    by_name = {u.name: u for u in units}
+    cleanups: list[Callable[[], None]] = []
+    with settings_mod.using(settings):
+        try:
+            with rb.phase("admission"):
+                r = _resolved(w, settings)
+                pin_problem = pinning.launch_problem(w, r.adapter)
+                if pin_problem:
+                    raise RequestError(pin_problem)
+                if not w.model.path:
+                    raise RequestError("the pinned snapshot of %s@%s is not in the model cache (HF_HOME): download that revision first" % (w.model.id, w.model.revision))
+                hosts.check_reachable(units)
+                if hosts.listening(units[0], w.launch.port):
+                    raise CaptureError("port %d is in use on host %s (unit %s): stop that workload (sparkrun stop) or capture on another port" % (w.launch.port, units[0].host, units[0].name))
+                store.init()
+            with rb.phase("model_digests"):
+                recorded_files = model_files.record(Path(w.model.path))
+            with store.staging_dir("capture-") as staging, _io_uring_off(hosts, units):
+                progress.step("starting %d units of %s for capture on %s" % (len(units), req.capsule.ref, ", ".join(u.host for u in units)))
+                validation, _ = start_units(r, req, hosts, rb, progress, init_port=init_port)
+                progress.note("first token %.1f s after launch; reply %r" % (validation.ttft_seconds or 0, validation.reply))
+                rb.details["vanilla_ttft_seconds"] = validation.ttft_seconds
+                images, files, scratch = _checkpoint(r, hosts, units, by_name, rb, progress, cleanups)
+                layers = _gather(req, hosts, units, scratch, staging, rb, progress, zero_pages=settings.zero_pages)
+                _remove(hosts, units, scratch)  # gathered: the hosts' copies are not needed any more
+                with rb.phase("model_check"):
+                    changed = model_files.verify(Path(w.model.path), recorded_files)
+                if changed:
+                    raise CaptureError("the model files changed while the engines loaded them: %s; capture again" % "; ".join(changed))
+                unit_images = tuple(images[u.name].model_copy(update={"files": files[u.name], "image_bytes": layers[u.name][1]}) for u in units)
+                config = CapsuleConfig(
+                    name=req.capsule.name, tag=req.capsule.tag, created=capsule_mod.now_iso(), request_sha256=req.digest(), workload=w.redacted(),
+                    fingerprint=r.fingerprint(w, unit_images[0].criu_version),
+                    engine=EngineRecord(name=w.engine, version=r.adapter.version(r.facts.packages) if r.facts else None), driver=r.driver.name,
+                    validation=CapturedValidation(prompt=req.validation.prompt, max_tokens=req.validation.max_tokens, reply=validation.reply or "", request_ttft_seconds=validation.request_ttft_seconds),
+                    weights=WeightsRecord(location="in-image", model_id=w.model.id, revision=w.model.revision, files=recorded_files),
+                    units=unit_images,
+                )  # fmt: skip
+                packed = [layer for u in units for layer in layers[u.name][0]]
+                with rb.phase("publish"):
+                    desc = capsule_mod.publish(store, packed, config)
+                rb.details["image_bytes"] = sum(i.image_bytes for i in unit_images)
+                rb.details["capsule_bytes"] = sum(layer.size for layer in packed)
+        except BaseException as err:
+            stop_on_failure(rb, hosts, err, cleanups, "every unit started has been stopped and nothing was published")
+            raise
+    rb.capsule = desc.digest
+    return CaptureOutcome(finish(rb, None), capsule_mod.open_capsule(store, req.capsule.ref))
+
+
+def _checkpoint(
+    r: Resolved, hosts: UnitHosts, units: list[LaunchUnit], by_name: dict[str, LaunchUnit], rb: ReceiptBuilder, progress: Progress,
+    cleanups: list[Callable[[], None]],
+) -> tuple[dict[str, UnitImage], dict[str, tuple[RecordedFile, ...]], dict[str, str]]:  # fmt: skip
+    """Record every unit's files, checkpoint all at one cut, stop them there; (images, files,
+    each host's scratch directory, removed when the operation ends)."""
+    roots = {u.name: hosts.root_pid(u) for u in units}
+    with rb.phase("record_files"):
+        answers = _parallel(units, lambda u: hosts.agent(u, "files", {"root_pid": roots[u.name]}))
+    files = {name: tuple(RecordedFile.model_validate(f) for f in a["files"]) for name, a in answers.items()}
+    scratch = {u.name: hosts.agent(u, "inbox", {})["path"] for u in units}
+    cleanups.append(lambda: _remove(hosts, units, scratch))
+    targets = [UnitOnHost(u.name, u.host, roots[u.name], scratch[u.name] + "/images") for u in units]
+    with rb.phase("checkpoint"), progress.waiting("checkpointing %d units at one cut" % len(units)):
+        cut = checkpoint_units(_AgentCut(hosts, by_name, r.driver.name), targets, resume=False)
+    # Still stopped at the cut: the engines end here, before any of them sends again.
+    hosts.stop_all()
+    rb.details["units"] = {name: {"phases": {k: round(v, 4) for k, v in p.items()}, "host": by_name[name].host} for name, p in cut.phases.items()}
+    rb.details["barriers"] = {k: round(v, 4) for k, v in cut.barriers.items()}
+    return dict(cut.dumped), files, scratch
+
+
+def _remove(hosts: UnitHosts, units: Sequence[LaunchUnit], dirs: dict[str, str]) -> None:
+    for u in units:
+        if dirs.get(u.name):
+            with contextlib.suppress(ColdsnapError):
+                hosts.agent(u, "remove", {"paths": [dirs[u.name]]}, timeout=300)
+
+
+def _gather(
+    req: CaptureRequest, hosts: UnitHosts, units: list[LaunchUnit], scratch: dict[str, str], staging: Path, rb: ReceiptBuilder, progress: Progress,
+    *, zero_pages: bool,
+) -> dict[str, tuple[list[PackedLayer], int]]:  # fmt: skip
+    """Each host packs its unit's layers; they are copied into *staging* with their digests checked."""
+    with rb.phase("pack"), progress.waiting("packing each unit's layers on its host"):
+        packed = _parallel(units, lambda u: hosts.agent(u, "pack", {
+            "images": scratch[u.name] + "/images", "unit": u.name, "out": scratch[u.name] + "/layers", "driver": req.workload.driver, "zero_pages": zero_pages,
+        }, timeout=1800))  # fmt: skip
+    out: dict[str, tuple[list[PackedLayer], int]] = {}
+    total = sum(layer["size"] for a in packed.values() for layer in a["layers"])
+    with rb.phase("gather"), progress.transfer("gathering %.1f MB of layers from %d hosts" % (total / 1e6, len(units)), total) as tick:
+        for u in units:
+            mine = []
+            for layer in packed[u.name]["layers"]:
+                local = staging / Path(layer["path"]).name
+                hosts.fetch(u, layer["path"], local, digest=layer["digest"], size=layer["size"], tick=tick)
+                mine.append(PackedLayer(path=local, digest=layer["digest"], size=layer["size"], media_type=layer["media_type"], annotations=dict(layer["annotations"])))
+            out[u.name] = (mine, int(packed[u.name]["image_bytes"]))
+    rb.details["zero_pages"] = {name: a.get("zero_pages") for name, a in packed.items()}
+    return out

@@ -1,0 +1,212 @@
+"""Restore of a capsule of several units, each on its own host (``controller/units.py`` tells
+the whole story): prepare (topology, per-host admission, per-host staging, all while the
+workload it replaces still serves), then activate (stop that one, restore every unit at once,
+continue them, record them as the ranks, validate through rank 0)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from sparkrun_coldsnap.capsule import capsule as capsule_mod
+from sparkrun_coldsnap.capsule import media
+from sparkrun_coldsnap.capsule.capsule import Capsule
+from sparkrun_coldsnap.capsule.store import CapsuleStore
+from sparkrun_coldsnap.controller.common import Resolved, ServingOutcome, finish, validate
+from sparkrun_coldsnap.controller.units import _parallel, _resolved, ordered, rank0_endpoint, stop_on_failure
+from sparkrun_coldsnap.documents import settings as settings_mod
+from sparkrun_coldsnap.documents.receipts import ReceiptBuilder, Weights
+from sparkrun_coldsnap.documents.request import LaunchUnit, RestoreRequest
+from sparkrun_coldsnap.documents.settings import Settings
+from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, RestoreError, ValidationError
+from sparkrun_coldsnap.launch.remote import UnitHosts
+from sparkrun_coldsnap.progress import QUIET, Progress
+
+
+@dataclass
+class PreparedUnits:
+    """A capsule of several units admitted on every host and staged there (nothing stopped yet)."""
+
+    request: RestoreRequest
+    capsule: Capsule
+    resolved: Resolved
+    settings: Settings
+    receipt: ReceiptBuilder
+    hosts: UnitHosts
+    staged: dict[str, dict[str, str]] = field(default_factory=dict)
+    prepare_seconds: float = 0.0
+
+    def discard(self) -> None:
+        """Remove what preparation staged on every host."""
+        for u in ordered(self.request.workload):
+            where = self.staged.pop(u.name, None)
+            if where:
+                try:
+                    self.hosts.agent(u, "remove", {"paths": [where["staging"]]}, timeout=300)
+                except ColdsnapError:
+                    pass  # the host's next operation (or gc) frees it
+
+
+def topology_problems(cap: Capsule, req: RestoreRequest) -> list[str]:
+    """How the run's placement differs from the capsule's: its units must be the captured
+    ranks on the captured hosts, since their connections come back to the captured addresses."""
+    captured = {u.name: u for u in cap.config.workload.topology.units}
+    placed = {u.name: u for u in req.workload.topology.units}
+    hosts = lambda units: ", ".join("%s on %s" % (u.name, u.host) for u in sorted(units.values(), key=lambda u: u.rank))  # noqa: E731
+    if set(captured) != set(placed):
+        return ["the capsule has %d units (%s), the run places %d (%s)" % (len(captured), hosts(captured), len(placed), hosts(placed))]
+    return [
+        "unit %s ran on host %s at capture, the run places it on host %s" % (name, captured[name].host, placed[name].host)
+        for name in sorted(captured)
+        if captured[name].host != placed[name].host
+    ]
+
+
+def refuse_topology(cap: Capsule, req: RestoreRequest) -> None:
+    problems = topology_problems(cap, req)
+    if problems:
+        order = ",".join(u.host for u in ordered(cap.config.workload))
+        raise CompatibilityError(
+            "capsule %s does not fit this placement: %s; the ranks reach each other at the captured addresses: run on the captured hosts in rank order (-H %s) or capture again on these"
+            % (req.capsule.ref, "; ".join(problems), order),
+            code="compatibility.topology",
+        )
+
+
+def prepare_units(req: RestoreRequest, hosts: UnitHosts, *, store: CapsuleStore, settings: Settings | None = None, progress: Progress = QUIET) -> PreparedUnits:
+    """Topology, admission on every host, each unit's layers staged on its host."""
+    settings = settings or settings_mod.current()
+    rb = ReceiptBuilder("restore", request_sha256=req.digest())
+    rb.capsule_ref, rb.secrets = req.capsule.ref, req.workload.secret_values()
+    t = time.monotonic()
+    units = ordered(req.workload)
+    with settings_mod.using(settings):
+        with rb.phase("prepare.open"):
+            store.check_trusted()
+            cap = capsule_mod.open_capsule(store, req.capsule.ref)
+            rb.capsule = cap.digest
+        prepared = PreparedUnits(req, cap, _resolved(req.workload, settings), settings, rb, hosts)
+        try:
+            with rb.phase("prepare.admission"):
+                refuse_topology(cap, req)
+                if cap.config.driver != prepared.resolved.driver.name:
+                    raise CompatibilityError("capsule %s was captured with driver %s, the recipe asks for %s" % (req.capsule.ref, cap.config.driver, prepared.resolved.driver.name))
+                hosts.check_reachable(units)
+                _admit_everywhere(cap, req, hosts, units)
+            with rb.phase("prepare.stage"), progress.waiting("sending and unpacking each unit's layers on its host"):
+                prepared.staged = _parallel(units, lambda u: _stage(store, cap, hosts, u))
+        except BaseException as err:
+            prepared.discard()
+            if isinstance(err, ColdsnapError):
+                err.receipt = finish(rb, err)
+            raise
+    prepared.prepare_seconds = time.monotonic() - t
+    return prepared
+
+
+def _admit_everywhere(cap: Capsule, req: RestoreRequest, hosts: UnitHosts, units: list[LaunchUnit]) -> None:
+    config, request = cap.config.model_dump(mode="json"), req.model_dump(mode="json")
+    answers = _parallel(units, lambda u: hosts.agent(u, "admit", {"config": config, "request": request, "unit": u.name, "pattern": hosts.rank_pattern(u)}, timeout=300))
+    refused = ["unit %s on host %s: %s" % (u.name, u.host, "; ".join(answers[u.name]["problems"])) for u in units if answers[u.name]["problems"]]
+    if refused:
+        raise CompatibilityError("admission refused for capsule %s: %s" % (req.capsule.ref, " | ".join(refused)))
+
+
+def _stage(store: CapsuleStore, cap: Capsule, hosts: UnitHosts, u: LaunchUnit) -> dict[str, str]:
+    layers = [d for d in cap.layers if (d.annotations or {}).get(media.A_UNIT) == u.name]
+    if not layers:
+        raise RestoreError("capsule %s holds no layers of unit %s: recapture" % (cap.ref or cap.digest, u.name))
+    inbox = hosts.agent(u, "inbox", {}, timeout=60)
+    hosts.send(u, [store.blob_path(d.digest) for d in layers], inbox["blobs"])
+    unpacked = sum(int((d.annotations or {}).get(media.A_UNPACKED_SIZE, d.size)) for d in layers)
+    answer = hosts.agent(u, "stage", {"inbox": inbox["path"], "layers": [d.to_json() for d in layers], "unit": u.name, "unpacked_bytes": unpacked}, timeout=1800)
+    return {"staging": str(answer["staging"]), "images": str(answer["images"])}
+
+
+def activate_units(prepared: PreparedUnits, *, progress: Progress = QUIET) -> ServingOutcome:
+    """Stop the workload being replaced, restore every unit at once, continue them, validate."""
+    rb, req, cap, r, hosts = prepared.receipt, prepared.request, prepared.capsule, prepared.resolved, prepared.hosts
+    units = ordered(req.workload)
+    images = {i.name: i for i in cap.config.units}
+    roots: dict[str, int] = {}
+    try:
+        with settings_mod.using(prepared.settings):
+            try:
+                with rb.phase("evict"):
+                    replaced = hosts.stop_named(units)
+                if replaced:
+                    rb.details["replaced_units"] = replaced
+                t0 = time.monotonic()
+                with rb.phase("restore"), progress.waiting("restoring %d units, each on its host" % len(units)):
+                    # Every unit's outcome is waited for; each restored root is known at once, so a
+                    # failure elsewhere still ends it.
+                    _parallel(units, lambda u: _restore_one(hosts, u, images[u.name].model_dump(mode="json"), prepared.staged[u.name]["images"], roots))
+                    for u in units:
+                        hosts.adopt(u, roots[u.name])  # from here sparkrun sees (and stops) them
+                    for u in units:  # restored stopped at the cut: every end of every connection is back
+                        hosts.signal_group(u, roots[u.name], "CONT")
+                endpoint = rank0_endpoint(r, req.workload, hosts)
+                with rb.phase("ready"):
+                    r.adapter.wait_ready(endpoint, alive=hosts.alive, timeout=req.ready_timeout_seconds)
+                expected = req.validation.expected_reply or cap.config.validation.reply
+                with rb.phase("validate"):
+                    validation = validate(r, endpoint, req, t0, expected)
+                rb.validation = validation
+                if not validation.passed:
+                    raise ValidationError("restored rank 0 replied %r, capsule %s recorded %r: the capsule does not match these hosts; recapture" % (validation.reply, req.capsule.ref, expected))
+                rb.weights = Weights(path="in-image")
+            except BaseException as err:
+                _kill_restored(hosts, units, roots)
+                stop_on_failure(rb, hosts, err, [], "every unit restored has been stopped")
+                raise
+            rb.details["prepare_seconds"] = round(prepared.prepare_seconds, 4)
+            rb.details["units"] = {u.name: {"host": u.host, "root_pid": roots[u.name]} for u in units}
+            return ServingOutcome(finish(rb, None), roots[units[0].name], validation.ttft_seconds, _NoUnit(units[0].host))
+    finally:
+        prepared.discard()
+
+
+def _restore_one(hosts: UnitHosts, u: LaunchUnit, image: dict, images: str, roots: dict[str, int]) -> None:
+    try:
+        roots[u.name] = int(hosts.agent(u, "restore", {"image": image, "images": images, "name": hosts.rank_name(u)}, timeout=1800)["pid"])
+    except ColdsnapError as err:
+        raise RestoreError("restoring %s" % err.message) from err
+
+
+def _kill_restored(hosts: UnitHosts, units: list[LaunchUnit], roots: dict[str, int]) -> None:
+    """Restored trees not yet adopted as ranks: ended by their process group."""
+    for u in units:
+        if u.name in roots:
+            try:
+                hosts.signal_group(u, roots[u.name], "KILL")
+            except ColdsnapError:
+                pass
+
+
+class _NoUnit:
+    """What a multi-unit restore hands back as its unit: the ranks are sparkrun's (stop them with
+    ``sparkrun stop``); this process holds no tree of its own."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+
+    @property
+    def root_pid(self) -> int:
+        return 0
+
+    def alive(self) -> bool:
+        return True
+
+    def stop(self, grace: float = 10.0) -> None:
+        pass
+
+    def tail(self) -> str:
+        return ""
+
+    def reap(self, timeout: float = 10.0) -> None:
+        pass
+
+    def log_location(self) -> str:
+        return "sparkrun logs (every rank on its host)"
+
+

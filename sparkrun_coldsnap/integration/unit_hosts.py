@@ -1,0 +1,139 @@
+"""The hosts of a multi-unit workload through sparkrun: its executor starts and stops the ranks,
+its transport runs each unit's steps (:mod:`sparkrun_coldsnap.integration.unit_agent`) on
+the unit's host and carries the layers between that host and the capsule store.
+
+What the controller's multi-unit stories ask of hosts (``launch/remote.UnitHosts``), so
+those stories never see SSH, sparkrun or the executor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from sparkrun_coldsnap.documents import settings as settings_mod
+from sparkrun_coldsnap.documents.request import LaunchUnit
+from sparkrun_coldsnap.errors import ColdsnapError, IntegrityError, RequestError, ToolError
+from sparkrun_coldsnap.integration.ranks import RankRecord, Ranks, dead_ranks, wait_rendezvous
+from sparkrun_coldsnap.launch.remote import Tick
+
+CHUNK = 64 << 20  # bytes per read of a remote file: a layer never sits whole in memory
+AGENT = "sparkrun_coldsnap.integration.unit_agent"
+
+
+class SparkrunUnitHosts:
+    """:class:`~sparkrun_coldsnap.launch.remote.UnitHosts` over sparkrun's session and executor."""
+
+    def __init__(self, ranks: Ranks) -> None:
+        self.ranks = ranks
+        self.hosts = ranks.hosts
+        self.python = settings_mod.current().host_python or sys.executable
+
+    # -- reaching hosts --------------------------------------------------------------------
+
+    def check_reachable(self, units: Sequence[LaunchUnit]) -> None:
+        for u in units:
+            try:
+                self.hosts.run(u.host, ["true"], timeout=30)
+            except ColdsnapError as err:
+                raise ToolError("host %s (unit %s) cannot be reached: %s" % (u.host, u.name, err.message), code="host.unreachable") from err
+
+    def listening(self, unit: LaunchUnit, port: int) -> bool:
+        return self.ranks.listening(unit.host, port)
+
+    def agent(self, unit: LaunchUnit, verb: str, doc: dict[str, Any], *, timeout: float = 900.0) -> dict[str, Any]:
+        done = self.hosts.run(unit.host, [self.python, "-m", AGENT, verb], input=json.dumps(doc).encode(), timeout=timeout, check=False)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        try:
+            answer = json.loads(lines[-1])
+        except (IndexError, ValueError):
+            what = "ssh to %s failed" % unit.host if done.returncode == 255 else "exit %d" % done.returncode
+            raise ToolError("unit %s on host %s: step %s gave no answer (%s): %s" % (unit.name, unit.host, verb, what, done.tail())) from None
+        if done.returncode != 0 or "error" in answer:
+            raise ToolError("unit %s on host %s: %s" % (unit.name, unit.host, answer.get("error") or done.tail()), code=str(answer.get("code") or "host.step_failed"))
+        return dict(answer)
+
+    # -- files ---------------------------------------------------------------------------------
+
+    def fetch(self, unit: LaunchUnit, remote: str, local: Path, *, digest: str, size: int, tick: Tick | None = None) -> None:
+        h = hashlib.sha256()
+        with open(local, "wb") as out:
+            for offset in range(0, size, CHUNK):
+                try:
+                    data = self.hosts.read_range(unit.host, remote, offset, min(CHUNK, size - offset))
+                except ColdsnapError as err:
+                    raise ToolError("copying a layer of unit %s from host %s failed: %s" % (unit.name, unit.host, err.message)) from err
+                h.update(data)
+                out.write(data)
+                if tick is not None:
+                    tick(len(data))
+        if "sha256:" + h.hexdigest() != digest or local.stat().st_size != size:
+            local.unlink(missing_ok=True)
+            raise IntegrityError("layer %s from host %s (unit %s) arrived damaged: copy again" % (remote, unit.host, unit.name))
+
+    def send(self, unit: LaunchUnit, files: Sequence[Path], remote_dir: str) -> None:
+        try:
+            self.hosts.upload(unit.host, [str(f) for f in files], remote_dir.rstrip("/") + "/")
+        except ColdsnapError as err:
+            raise ToolError("sending the layers of unit %s to host %s failed: %s" % (unit.name, unit.host, err.message)) from err
+
+    # -- ranks -------------------------------------------------------------------------------
+
+    def start(self, unit: LaunchUnit, command: str, env: dict[str, str]) -> None:
+        self.ranks.start(unit, command, env)
+
+    def wait_rendezvous(self, head: LaunchUnit, port: int) -> float:
+        record = next((r for r in self.ranks.started if r.unit.name == head.name), None)
+        if record is None:
+            raise RequestError("unit %s was not started here" % head.name)
+        return wait_rendezvous(self.ranks, record, port)
+
+    def alive(self) -> bool:
+        return all(self.ranks.alive(r) for r in self.ranks.started)
+
+    def dead_units(self) -> list[str]:
+        return dead_ranks(self.ranks)
+
+    def root_pid(self, unit: LaunchUnit) -> int:
+        pid = self.agent(unit, "root", {"name": self.ranks.name_of(unit)}, timeout=60).get("pid")
+        if not pid:
+            raise ToolError("unit %s on host %s: sparkrun's record of %s names no running process" % (unit.name, unit.host, self.ranks.name_of(unit)))
+        return int(pid)
+
+    def signal_group(self, unit: LaunchUnit, pid: int, signal: str) -> None:
+        self.hosts.run(unit.host, ["kill", "-%s" % signal, "--", "-%d" % pid], timeout=60)
+
+    def adopt(self, unit: LaunchUnit, pid: int) -> None:
+        name = self.ranks.name_of(unit)
+        self.agent(unit, "adopt", {"name": name, "pid": pid}, timeout=60)
+        if not any(r.unit.name == unit.name for r in self.ranks.started):
+            self.ranks.started.append(RankRecord(unit, name))
+
+    def stop_all(self) -> list[str]:
+        return self.ranks.stop_all()
+
+    def stop_named(self, units: Sequence[LaunchUnit]) -> list[str]:
+        running = []
+        for u in units:
+            for rank in self.agent(u, "recorded", {"pattern": self.rank_pattern(u)}, timeout=60)["ranks"]:
+                running.append("%s (%s on %s)" % (u.name, rank["name"], u.host))
+                self.ranks.started.append(RankRecord(u, str(rank["name"])))
+        problems = self.ranks.stop_all()
+        if problems:
+            raise ToolError("stopping the workload this restore replaces failed: %s" % "; ".join(problems))
+        return running
+
+    def rank_name(self, unit: LaunchUnit) -> str:
+        return self.ranks.name_of(unit)
+
+    def rank_pattern(self, unit: LaunchUnit) -> str:
+        # sparkrun_<recipe intent>_<placement token>_node_<rank>: the token is the run's own.
+        cluster_id, rank = self.ranks.name_of(unit).rsplit("_node_", 1)
+        return "%s_*_node_%s" % (cluster_id.rsplit("_", 1)[0], rank)
+
+    def head_address(self, unit: LaunchUnit) -> str:
+        return unit.host
