@@ -32,6 +32,15 @@ RESULTS=${RESULTS:-${OUT:-.}}
 RECIPE=$WORK/recipes/coldsnap-gpu-$ENGINE.yaml
 [ -f "$RECIPE" ] || { echo "no $RECIPE: run benchmarks/gpu/sparkrun_path.sh $ENGINE first" >&2; exit 2; }
 export PYTHONPATH=$SITE PATH=$SITE/bin:$PATH SPARKRUN_NO_TELEMETRY=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+# Where `sparkrun plugins enable coldsnap` refuses (beside an image's newer packages),
+# sparkrun_path.sh enabled the plugin with SPARKRUN_FEATURE_PLUGINS_COLDSNAP=1, which lasts only
+# for that script: the same here. Without it sparkrun has no `coldsnap` command and `sparkrun run`
+# starts the recipe vanilla, saying nothing.
+if ! sparkrun coldsnap --help >/dev/null 2>&1; then
+  export SPARKRUN_FEATURE_PLUGINS_COLDSNAP=1
+  sparkrun coldsnap --help >/dev/null 2>&1 || { echo "sparkrun has no coldsnap command, even with SPARKRUN_FEATURE_PLUGINS_COLDSNAP=1: is the plugin installed in $SITE?" >&2; exit 2; }
+  echo "the plugin is not enabled in sparkrun's settings here; enabled with SPARKRUN_FEATURE_PLUGINS_COLDSNAP=1"
+fi
 # The Hugging Face cache the model is in, as sparkrun_path.sh found it.
 HF_HOME=$("$PY" -c 'import json, sys; from pathlib import Path; print(Path(json.loads(Path(sys.argv[1]).read_text())["path"]).parents[3])' "$MODEL_JSON") || exit 2
 export HF_HOME
@@ -47,7 +56,8 @@ echo "lifecycle, $ENGINE, $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
 FAILED=0
 if [ "$PART" != bench ]; then
-  step "run (restore)" sparkrun run "$RECIPE" --no-follow || exit 1
+  step "run (restore)" sparkrun run "$RECIPE" --no-follow | tee "$RESULTS/run-$ENGINE.log" || exit 1
+  grep -q "reply matches capture" "$RESULTS/run-$ENGINE.log" || { echo "sparkrun run did not restore a validated capsule: the transitions need a workload the plugin manages"; exit 1; }
   state
   if [ "$ENGINE" = vllm ]; then LEVELS="1 2"; else LEVELS="2"; fi
   for level in $LEVELS; do
