@@ -18,7 +18,7 @@ pip download --quiet --no-deps "${PLAT[@]}" -d "$OUT/engine" \
   typing-inspection uvicorn watchfiles "xgrammar==0.2.3" jiter jsonschema jsonschema-specifications referencing \
   rpds-py email-validator dnspython pydantic-extra-types python-multipart setproctitle blake3
 pip download --quiet --no-deps "${PLAT[@]}" -d "$OUT/vllm-whole" "vllm==0.26.0"
-split -b 60m -d "$OUT"/vllm-whole/vllm-0.26.0-*.whl "$OUT/vllm/vllm.whl.part"
+split -b 58m -d "$OUT"/vllm-whole/vllm-0.26.0-*.whl "$OUT/vllm/vllm.whl.part"
 ls "$OUT"/vllm-whole/ > "$OUT/vllm/NAME"
 rm -rf "$OUT/vllm-whole"
 
