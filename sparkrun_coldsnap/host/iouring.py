@@ -29,17 +29,7 @@ def io_uring_disabled() -> Iterator[None]:
     fd = _lock()
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        # A capture killed outright left its marker: the value before it is the one to keep.
-        old = _marker_value() or SYSCTL.read_text().strip()
-        if old != "2":
-            _marker().write_text(old)
-            try:
-                SYSCTL.write_text("2")
-            except OSError as err:
-                _marker().unlink(missing_ok=True)
-                raise CaptureError(
-                    "cannot disable io_uring for the capture (%s): run as root, or set kernel.io_uring_disabled=2 yourself" % err.strerror
-                ) from err
+        old = _switch_off()
         try:
             yield
         finally:
@@ -60,17 +50,23 @@ def hold_off() -> str | None:
     fd = _lock()
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        old = _marker_value() or SYSCTL.read_text().strip()
-        if old != "2":
-            _marker().write_text(old)
-            try:
-                SYSCTL.write_text("2")
-            except OSError as err:
-                _marker().unlink(missing_ok=True)
-                raise CaptureError("cannot disable io_uring for the capture (%s): run as root, or set kernel.io_uring_disabled=2 yourself" % err.strerror) from err
-        return old
+        return _switch_off()
     finally:
         os.close(fd)
+
+
+def _switch_off() -> str:
+    """io_uring off, the value before kept in the marker; the value before (under the lock)."""
+    # A capture killed outright left its marker: the value before it is the one to keep.
+    old = _marker_value() or SYSCTL.read_text().strip()
+    if old != "2":
+        _marker().write_text(old)
+        try:
+            SYSCTL.write_text("2")
+        except OSError as err:
+            _marker().unlink(missing_ok=True)
+            raise CaptureError("cannot disable io_uring for the capture (%s): run as root, or set kernel.io_uring_disabled=2 yourself" % err.strerror) from err
+    return old
 
 
 def _lock() -> int:

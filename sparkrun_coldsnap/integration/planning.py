@@ -48,7 +48,7 @@ def plan_activation(recipe: str, *, hosts: tuple[str, ...] | None, cluster: str 
 
     holder: list = []
     opts = api.RunOptions(recipe, hosts=hosts, cluster=cluster, overrides=dict(overrides), offline=offline, strategy_options={OPT_PLAN_INTO: holder})
-    with recipe_errors(recipe):
+    with recipe_errors(recipe), unreachable_named(cluster, hosts):
         plan = api.plan(opts)
         if plan.runtime is None:
             raise RequestError("%s: sparkrun could not resolve a runtime for this recipe" % recipe)
@@ -56,6 +56,44 @@ def plan_activation(recipe: str, *, hosts: tuple[str, ...] | None, cluster: str 
     if not holder:
         raise RequestError("%s has no coldsnap: block, or the coldsnap plugin is not enabled (sparkrun plugins enable coldsnap)" % recipe)
     return holder[0]
+
+
+@contextlib.contextmanager
+def unreachable_named(cluster: str | None, hosts: tuple[str, ...] | None) -> Iterator[None]:
+    """A placement sparkrun could not complete, with the host that does not answer named.
+
+    sparkrun places only the hosts its probe reached and says how many ranks it placed, not
+    which host was missing: each of the cluster's hosts is asked through sparkrun's session."""
+    try:
+        yield
+    except ColdsnapError:
+        raise
+    except Exception as err:
+        if "placed" not in str(err):
+            raise
+        missing = _unreachable(cluster, hosts)
+        if not missing:
+            raise
+        raise RequestError(
+            "%s: %s; sparkrun could place only the hosts that answer (%s)" % ("; ".join(missing), "bring it back or run on a cluster without it", str(err).strip().splitlines()[0]),
+            code="host.unreachable",
+        ) from err
+
+
+def _unreachable(cluster: str | None, hosts: tuple[str, ...] | None) -> list[str]:
+    from sparkrun_coldsnap.integration.transport import open_cluster
+
+    try:
+        with open_cluster(cluster, hosts) as session:
+            out = []
+            for rank, host in enumerate(session.hosts):
+                try:
+                    session.run(host, ["true"], timeout=30)
+                except ColdsnapError as err:
+                    out.append("host %s (rank %d of %s) cannot be reached: %s" % (host, rank, cluster or "the hosts given", err.message))
+            return out
+    except ColdsnapError:
+        return []
 
 
 def run_recipe(
