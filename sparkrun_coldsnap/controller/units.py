@@ -236,7 +236,7 @@ def _checkpoint(
     each host's scratch directory, removed when the operation ends)."""
     roots = {u.name: hosts.root_pid(u) for u in units}
     with rb.phase("record_files"):
-        answers = _parallel(units, lambda u: hosts.agent(u, "files", {"root_pid": roots[u.name]}))
+        answers = _parallel(units, lambda u: hosts.agent(u, "files", {"root_pid": roots[u.name], "name": hosts.rank_name(u)}))
     files = {name: tuple(RecordedFile.model_validate(f) for f in a["files"]) for name, a in answers.items()}
     scratch = {u.name: hosts.agent(u, "inbox", {})["path"] for u in units}
     cleanups.append(lambda: _remove(hosts, units, scratch))

@@ -50,7 +50,11 @@ def files(doc: dict[str, Any]) -> dict[str, Any]:
     from sparkrun_coldsnap.host import file_drift
     from sparkrun_coldsnap.host.process_tree import tree_pids
 
-    recorded = file_drift.record(tree_pids(int(doc["root_pid"])), skip=list(doc.get("skip") or ()))
+    from sparkrun_coldsnap.integration.records import local_record_paths
+
+    # The rank's own log grows while it serves: a restore hands it the log again, not as captured.
+    skip = [*(doc.get("skip") or ()), *([str(local_record_paths(str(doc["name"]))[1])] if doc.get("name") else [])]
+    recorded = file_drift.record(tree_pids(int(doc["root_pid"])), skip=skip)
     return {"files": [f.model_dump(mode="json") for f in recorded]}
 
 
