@@ -49,7 +49,6 @@ def root(doc: dict[str, Any]) -> dict[str, Any]:
 def files(doc: dict[str, Any]) -> dict[str, Any]:
     from sparkrun_coldsnap.host import file_drift
     from sparkrun_coldsnap.host.process_tree import tree_pids
-
     from sparkrun_coldsnap.integration.records import local_record_paths
 
     # The rank's own log grows while it serves: a restore hands it the log again, not as captured.
