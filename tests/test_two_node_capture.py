@@ -113,7 +113,11 @@ def test_a_host_that_cannot_be_reached_fails_the_capture_in_one_line_and_starts_
     head, worker = two_node.hosts
     worker.sshd.terminate()
     worker.sshd.wait(timeout=10)
-    cp = sparkrun("coldsnap", "capture", str(recipe), *CLUSTER, check=False)
+    try:
+        cp = sparkrun("coldsnap", "capture", str(recipe), *CLUSTER, check=False)
+    finally:  # the hosts serve the whole session's tests
+        two_node._start_sshd(worker)
+        two_node._await_sshd(worker)
     error = one_line_error(cp)
     assert "host %s (rank 1 of two-node) cannot be reached" % worker.address in error, error
     assert not (tmp_path / "store" / "index.json").exists() or "tiny-vllm-cpu-two-node" not in (tmp_path / "store" / "index.json").read_text()
