@@ -75,12 +75,7 @@ if [ "$PART" != bench ]; then
   step "run (activate from warm)" sparkrun run "$RECIPE" --no-follow || FAILED=1
   state
   step stop sparkrun stop "$RECIPE" || FAILED=1
-  for _ in $(seq 30); do
-    used=$(gpu_mib)
-    [ "$used" != "?" ] && [ "$used" -lt 100 ] 2>/dev/null && break
-    sleep 1
-  done
-  echo "GPU memory used after stop: $(gpu_mib) MiB"
+  wait_gpu_released
 fi
 if [ "$PART" != transitions ]; then
   step "bench --lifecycle" sparkrun coldsnap bench "$RECIPE" --lifecycle --samples "$SAMPLES" --out "$RESULTS/lifecycle-$ENGINE" || FAILED=1

@@ -153,12 +153,7 @@ print("HTTP 200 in %.3f s, %d completion tokens: %r" % (time.monotonic() - t, do
 EOF
 fi
 step stop sparkrun stop "$RECIPE" || FAILED=1
-for _ in $(seq 30); do
-  used=$(gpu_mib)
-  [ "$used" != "?" ] && [ "$used" -lt 100 ] 2>/dev/null && break
-  sleep 1
-done
-echo "GPU memory used after stop: $(gpu_mib) MiB"
+wait_gpu_released
 [ "$(gpu_mib)" = "?" ] || [ "$(gpu_mib)" -lt 100 ] || { echo "GPU memory was not released"; FAILED=1; }
 step "status after stop" sparkrun status
 

@@ -17,3 +17,13 @@ step() {
 }
 # GPU memory in use, all GPUs together (MiB); "?" where there is no nvidia-smi.
 gpu_mib() { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | awk '{s += $1} END {print s + 0}' || echo "?"; }
+
+# Wait up to 30 s for the GPU memory a stopped engine held to come back, then say how much is used.
+wait_gpu_released() {
+  for _ in $(seq 30); do
+    used=$(gpu_mib)
+    [ "$used" != "?" ] && [ "$used" -lt 100 ] 2>/dev/null && break
+    sleep 1
+  done
+  echo "GPU memory used after stop: $(gpu_mib) MiB"
+}
