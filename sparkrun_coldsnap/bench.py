@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from sparkrun_coldsnap import __version__, controller
+from sparkrun_coldsnap.capsule.capsule import Capsule
 from sparkrun_coldsnap.capsule.media import A_UNPACKED_SIZE
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.documents.request import RestoreRequest
@@ -72,9 +73,9 @@ class StepClock(Progress):
         return out
 
 
-def phase_bytes(prepared: controller.PreparedRestore, receipt) -> dict[str, int]:
+def phase_bytes(cap: Capsule, receipt) -> dict[str, int]:
     """What each phase of one restore read or wrote, from its capsule and receipt."""
-    layers = prepared.capsule.layers
+    layers = cap.layers
     out = {
         "prepare.stage": sum(d.size for d in layers),
         "restore": sum(int((d.annotations or {}).get(A_UNPACKED_SIZE, d.size)) for d in layers),
@@ -125,7 +126,7 @@ def run_paths(
                 Sample(
                     name, i, r.ttft_seconds or 0.0, prepare_seconds=prepared.prepare_seconds, phases=phases,
                     validated=bool(r.receipt.validation and r.receipt.validation.passed), steps=clock.durations(restore_end),
-                    bytes=phase_bytes(prepared, r.receipt), first_token_floor=prepared.capsule.config.validation.request_ttft_seconds,
+                    bytes=phase_bytes(prepared.capsule, r.receipt), first_token_floor=prepared.capsule.config.validation.request_ttft_seconds,
                     notes={k: r.receipt.details[k] for k in ("hydrate", "weights_memory", "weights_cache", "files_cache") if k in r.receipt.details},
                 )
             )  # fmt: skip

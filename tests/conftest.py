@@ -102,9 +102,10 @@ def lifecycle_home(tmp_path, use_settings, monkeypatch) -> Path:
     return tmp_path / "home"
 
 
-@pytest.fixture(scope="session")
-def template_home(tmp_path_factory) -> Path:
-    home = tmp_path_factory.mktemp("sparkrun-home-template")
+def make_sparkrun_home(home: Path) -> Sparkrun:
+    """A sparkrun home set up with sparkrun's own commands: the plugin enabled, the local
+    executor on, the docker one off without a daemon, unreachable recipe registries off."""
+    home.mkdir(parents=True, exist_ok=True)
     sr = Sparkrun(home, base_env(home))
     sr("plugins", "enable", "coldsnap")
     sr("setup", "features", "enable", "executor.local")
@@ -116,7 +117,12 @@ def template_home(tmp_path_factory) -> Path:
     from sparkrun_coldsnap.integration.registries import settle_pending_bootstrap
 
     settle_pending_bootstrap(home / ".config" / "sparkrun")  # as `setup` does on a host without internet
-    return home
+    return sr
+
+
+@pytest.fixture(scope="session")
+def template_home(tmp_path_factory) -> Path:
+    return make_sparkrun_home(tmp_path_factory.mktemp("sparkrun-home-template")).home
 
 
 @pytest.fixture

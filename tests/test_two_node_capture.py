@@ -3,7 +3,8 @@ the real CPU vLLM with tensor parallel 2, one rank on each host of tests/two_hos
 on each host through sparkrun's transport.
 
 `sparkrun coldsnap capture --cluster two-node`, `sparkrun run` restoring both units (validated
-through rank 0), `sparkrun status` listing both, `sparkrun stop` stopping both; and the faults:
+through rank 0), `sparkrun status` listing both, `sparkrun stop` stopping both, `sparkrun coldsnap bench` of the
+recipe (one sample of each path); and the faults:
 a placement that is not the captured one (ranks swapped, one host fewer), a unit refused by
 admission on one host only, a host that cannot be reached, a unit whose dump fails.
 """
@@ -16,8 +17,7 @@ import threading
 import time
 
 import pytest
-import yaml
-from test_two_node_run import chat, host_processes, prepare_run, rank_logs, run_logged
+from test_two_node_run import chat, host_processes, prepare_run, rank_logs, run_logged, share_model_cache
 
 pytestmark = pytest.mark.engine
 
@@ -39,10 +39,7 @@ def no_process_left(two_node, timeout: float = 60) -> dict:
 def cluster_of(sparkrun, name: str, hosts) -> tuple[str, str]:
     """A cluster of *hosts* in that order, sharing this machine's model cache as two-node does."""
     sparkrun("cluster", "create", name, "--hosts", ",".join(h.address for h in hosts), "--user", "root")
-    path = sparkrun.home / ".config" / "sparkrun" / "clusters" / ("%s.yaml" % name)
-    data = yaml.safe_load(path.read_text())
-    data["distribution"] = {"model": {"enabled": False}}
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    share_model_cache(sparkrun, name)
     return ("--cluster", name)
 
 
@@ -105,6 +102,20 @@ def test_capture_two_hosts_restore_both_units_through_sparkrun_run_status_and_st
         raise AssertionError("%s\n%s" % (err, rank_logs(head, worker))) from None
     finally:
         sparkrun("stop", str(recipe), *CLUSTER, check=False)
+    assert no_process_left(two_node) == {head.address: set(), worker.address: set()}
+
+    # The benchmark of the recipe: every rank started against every unit restored (one sample
+    # here; docs/benchmarks.md has the medians). The lifecycle's benchmark is for one unit.
+    lifecycle = sparkrun("coldsnap", "bench", str(recipe), *CLUSTER, "--lifecycle", check=False)
+    assert "bench --lifecycle times a workload of one unit" in one_line_error(lifecycle)
+    out = sparkrun("coldsnap", "bench", str(recipe), *CLUSTER, "--samples", "1", "--out", str(tmp_path / "bench"), "--json").stdout
+    doc = json.loads(out)
+    assert doc["all_restores_validated"] and doc["vanilla_ttft"]["n"] == 1 and doc["restore_ttft"]["n"] == 1, doc
+    assert [(u["unit"], u["host"]) for u in doc["units"]] == [("rank-0", head.address), ("rank-1", worker.address)]
+    restored = next(x for x in doc["samples"] if x["path"] != "vanilla")
+    assert {name: unit["host"] for name, unit in restored["notes"]["units"].items()} == {"rank-0": head.address, "rank-1": worker.address}
+    assert restored["prepare_seconds"] > 0 and "launch.rank-1" in doc["samples"][0]["phases"], doc["samples"]
+    assert (tmp_path / "bench" / "bench.json").is_file()
     assert no_process_left(two_node) == {head.address: set(), worker.address: set()}
 
 

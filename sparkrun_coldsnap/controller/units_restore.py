@@ -129,6 +129,7 @@ def activate_units(prepared: PreparedUnits, *, progress: Progress = QUIET) -> Se
     units = ordered(req.workload)
     images = {i.name: i for i in cap.config.units}
     roots: dict[str, int] = {}
+    seconds: dict[str, float] = {}
     try:
         with settings_mod.using(prepared.settings):
             try:
@@ -140,11 +141,12 @@ def activate_units(prepared: PreparedUnits, *, progress: Progress = QUIET) -> Se
                 with rb.phase("restore"), progress.waiting("restoring %d units, each on its host" % len(units)):
                     # Every unit's outcome is waited for; each restored root is known at once, so a
                     # failure elsewhere still ends it.
-                    _parallel(units, lambda u: _restore_one(hosts, u, images[u.name].model_dump(mode="json"), prepared.staged[u.name]["images"], roots))
-                    for u in units:
-                        hosts.adopt(u, roots[u.name])  # from here sparkrun sees (and stops) them
-                    for u in units:  # restored stopped at the cut: every end of every connection is back
-                        hosts.signal_group(u, roots[u.name], "CONT")
+                    _parallel(units, lambda u: _restore_one(hosts, u, images[u.name].model_dump(mode="json"), prepared.staged[u.name]["images"], roots, seconds))
+                    # Each a round trip to its host, so all hosts at once: adopted first (from
+                    # here sparkrun sees and stops them), then continued, since every tree was
+                    # restored stopped at the cut and every end of every connection is back.
+                    _parallel(units, lambda u: hosts.adopt(u, roots[u.name]))
+                    _parallel(units, lambda u: hosts.signal_group(u, roots[u.name], "CONT"))
                 endpoint = rank0_endpoint(r, req.workload, hosts)
                 with rb.phase("ready"):
                     r.adapter.wait_ready(endpoint, alive=hosts.alive, timeout=req.ready_timeout_seconds)
@@ -160,17 +162,20 @@ def activate_units(prepared: PreparedUnits, *, progress: Progress = QUIET) -> Se
                 stop_on_failure(rb, hosts, err, [], "every unit restored has been stopped")
                 raise
             rb.details["prepare_seconds"] = round(prepared.prepare_seconds, 4)
-            rb.details["units"] = {u.name: {"host": u.host, "root_pid": roots[u.name]} for u in units}
+            rb.details["units"] = {u.name: {"host": u.host, "root_pid": roots[u.name], "restore_seconds": round(seconds[u.name], 4)} for u in units}
             return ServingOutcome(finish(rb, None), roots[units[0].name], validation.ttft_seconds, _NoUnit(units[0].host))
     finally:
         prepared.discard()
 
 
-def _restore_one(hosts: UnitHosts, u: LaunchUnit, image: dict, images: str, roots: dict[str, int]) -> None:
+def _restore_one(hosts: UnitHosts, u: LaunchUnit, image: dict, images: str, roots: dict[str, int], seconds: dict[str, float]) -> None:
+    """One unit restored on its host; its root and how long its host took, by unit name."""
+    t = time.monotonic()
     try:
         roots[u.name] = int(hosts.agent(u, "restore", {"image": image, "images": images, "name": hosts.rank_name(u)}, timeout=1800)["pid"])
     except ColdsnapError as err:
         raise RestoreError("restoring %s" % err.message) from err
+    seconds[u.name] = time.monotonic() - t
 
 
 def _kill_restored(hosts: UnitHosts, units: list[LaunchUnit], roots: dict[str, int]) -> None:

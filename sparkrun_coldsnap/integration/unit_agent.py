@@ -19,7 +19,7 @@ which a dump that leaves the tree running removes again), ``pack`` (zero pages l
 (admission of one unit with this host's own fingerprint), ``inbox`` and ``stage`` (layers
 received, verified and unpacked), ``restore``, ``adopt`` (a restored tree recorded as the
 rank, so sparkrun's ``status``/``stop`` find it), ``io_uring_off``/``io_uring_back``,
-``remove``.
+``remove``, ``drop_page_cache`` (before a benchmark's sample).
 """
 
 from __future__ import annotations
@@ -209,6 +209,13 @@ def io_uring_back(doc: dict[str, Any]) -> dict[str, Any]:
     return {"restored": put_back_after_crash()}
 
 
+def drop_page_cache(doc: dict[str, Any]) -> dict[str, Any]:
+    from sparkrun_coldsnap.weights.page_cache import drop
+
+    drop()
+    return {}
+
+
 def remove(doc: dict[str, Any]) -> dict[str, Any]:
     from sparkrun_coldsnap.host import paths
 
@@ -220,6 +227,7 @@ def remove(doc: dict[str, Any]) -> dict[str, Any]:
 VERBS: dict[str, Verb] = {
     "root": root, "recorded": recorded, "files": files, "dump": dump, "pack": pack, "admit": admit, "inbox": inbox, "stage": stage,
     "restore": restore, "adopt": adopt, "io_uring_off": io_uring_off, "io_uring_back": io_uring_back, "remove": remove,
+    "drop_page_cache": drop_page_cache,
 }  # fmt: skip
 
 
