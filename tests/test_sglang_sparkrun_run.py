@@ -192,3 +192,80 @@ def test_a_restored_reply_that_differs_fails_the_run_stops_the_restored_tree_and
     assert r["state"] == "failed" and r["error"]["phase"] == "validate" and r["error"]["code"] == "validation.failed"
     assert r["details"]["workload_state"] == "stopped" and r["validation"]["reply"] == receipt["validation"]["reply"] and not r["validation"]["passed"]
     assert not [p for p in CapsuleStore(store).staging.iterdir() if p.name not in ("uploads", "downloads")]
+
+
+def lifecycle_row(sr: Sparkrun) -> dict:
+    (row,) = json.loads(sr.coldsnap("status", "--json").stdout)
+    return row
+
+
+def asked_since(sr: Sparkrun, recipe: Path, mark: int) -> list[tuple[str, str]]:
+    """What the server was asked after the *mark*-th call in its log, health checks left out."""
+    calls = fake_calls(sr("logs", str(recipe), "-H", "localhost", "-n", "400").stdout)
+    return [c for c in calls[mark:] if c[1] != "/health"]
+
+
+def test_warm_restores_the_tree_ahead_asleep_and_sparkrun_run_only_hydrates_and_validates(captured, sr, tmp_path):
+    _, store, recipe, port, receipt = captured
+    sr.env["COLDSNAP_LIFECYCLE_DIR"] = str(tmp_path / "lifecycle")
+    sr("run", str(recipe), "-H", "localhost", "--no-follow")
+    try:
+        name = lifecycle_row(sr)["workload"]
+        sr.coldsnap("hibernate", name)
+        wait_no_process(port)
+        warm = json.loads(sr.coldsnap("warm", name, "--keep", "600", "--json").stdout)
+        phases = [p["name"] for p in warm["phases"]]
+        assert warm["state"] == "succeeded" and phases[-1] == "restore" and "prepare.stage" in phases, phases
+        tree = warm["details"]["tree_pid"]
+        row = lifecycle_row(sr)
+        assert row["state"] == "warm" and row["warm"]["tree_pid"] == tree and row["root_pid"] == tree and row["host_memory_bytes"] > 0
+        assert tree in pids(port) and "Up (pid" in sr("status", "-H", "localhost").stdout  # sparkrun sees the warm tree
+        cap = capsule_mod.open_capsule(CapsuleStore(store), row["capsule"])
+        (cuda_pid,) = cap.config.units[0].driver_data["cuda_pids"]
+        assert fake_gpu_state.read_proc(cuda_pid)["state"] == "running"  # its GPU state is back
+        mark = len(fake_calls(sr("logs", str(recipe), "-H", "localhost", "-n", "400").stdout))
+        assert "process tree restored ahead (pid %d" % tree in sr.coldsnap("status", name).stdout
+
+        out = sr("run", str(recipe), "-H", "localhost", "--no-follow")
+        assert "workload %s was warm" % name in out.stderr and "stopping the workload this run replaces" not in out.stderr, out.stderr[-2000:]
+        row = lifecycle_row(sr)
+        assert row["state"] == "active" and row["root_pid"] == tree and row["warm"] is None
+        activated = json.loads(Path(row["last_receipt"]).read_text())
+        names = [p["name"] for p in activated["phases"]]
+        assert activated["details"]["restored_ahead"] is True and names[-3:] == ["restore", "hydrate", "validate"] and "prepare.stage" not in names, names
+        assert activated["validation"]["passed"] and ask(port) == receipt["validation"]["reply"]
+        assert asked_since(sr, recipe, mark)[:3] == [("POST", "/resume_memory_occupation"), ("POST", "/update_weights_from_disk"), ("POST", "/resume_memory_occupation")]
+    finally:
+        sr("stop", str(recipe), "-H", "localhost", check=False)
+    wait_no_process(port)
+
+
+def test_a_warm_tree_is_ended_by_release_and_by_sparkrun_stop_and_images_only_restores_none(captured, sr, tmp_path):
+    _, store, recipe, port, _ = captured
+    sr.env["COLDSNAP_LIFECYCLE_DIR"] = str(tmp_path / "lifecycle")
+    sr("run", str(recipe), "-H", "localhost", "--no-follow")
+    try:
+        name = lifecycle_row(sr)["workload"]
+        sr.coldsnap("hibernate", name)
+        wait_no_process(port)
+        # warm --release ends the tree it restored
+        tree = json.loads(sr.coldsnap("warm", name, "--json").stdout)["details"]["tree_pid"]
+        assert tree in pids(port)
+        sr.coldsnap("warm", name, "--release")
+        wait_no_process(port)
+        assert lifecycle_row(sr)["state"] == "hibernated" and lifecycle_row(sr)["root_pid"] is None
+        # sparkrun stop ends it too; the next command finds the workload hibernated, saying why
+        tree = json.loads(sr.coldsnap("warm", name, "--json").stdout)["details"]["tree_pid"]
+        sr("stop", str(recipe), "-H", "localhost")
+        wait_no_process(port)
+        row = lifecycle_row(sr)
+        assert row["state"] == "hibernated" and row["warm"] is None and "(pid %d) was stopped" % tree in row["note"], row
+        # --images-only: nothing runs while warm; sparkrun run restores from the images
+        warm = json.loads(sr.coldsnap("warm", name, "--images-only", "--json").stdout)
+        assert "tree_pid" not in warm["details"] and "restore" not in [p["name"] for p in warm["phases"]] and not pids(port)
+        sr("run", str(recipe), "-H", "localhost", "--no-follow")
+        activated = json.loads(Path(lifecycle_row(sr)["last_receipt"]).read_text())
+        assert activated["details"]["staged_ahead"] is True and "restored_ahead" not in activated["details"]
+    finally:
+        sr("stop", str(recipe), "-H", "localhost", check=False)
+    wait_no_process(port)

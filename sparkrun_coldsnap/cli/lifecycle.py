@@ -70,12 +70,17 @@ def hibernate(workload, hosts, cluster, options, offline, as_json):
 @WORKLOAD
 @click.option("--keep", "keep_seconds", type=float, default=verbs.DEFAULT_KEEP_SECONDS, show_default=True, help="Seconds to keep the prepared restore before it is released.")
 @click.option("--release", "release_it", is_flag=True, help="Drop the prepared restore instead (the workload stays hibernated).")
+@click.option(
+    "--images-only", is_flag=True,
+    help="On GPU drivers, keep the unpacked images only, not the process tree restored ahead (which holds its port and some GPU memory while warm).",
+)  # fmt: skip
 @target_options
 @JSON
-def warm(workload, keep_seconds, release_it, hosts, cluster, options, offline, as_json):
+def warm(workload, keep_seconds, release_it, images_only, hosts, cluster, options, offline, as_json):
     """Prepare a hibernated workload's restore ahead (admission, staging, weights into the page cache).
 
-    A later `wake` or `sparkrun run` then only activates it.
+    On GPU drivers the process tree is restored ahead too, its engine asleep: a later `wake` or
+    `sparkrun run` then only hydrates the weights and validates.
     """
     where = _where(hosts, cluster, options, offline)
     if release_it:
@@ -84,7 +89,7 @@ def warm(workload, keep_seconds, release_it, hosts, cluster, options, offline, a
         return
     from sparkrun_coldsnap.progress import Progress
 
-    rec, receipt = verbs.prepare_warm(workload, keep_seconds=keep_seconds, where=where, progress=Progress(quiet=as_json))
+    rec, receipt = verbs.prepare_warm(workload, keep_seconds=keep_seconds, where=where, progress=Progress(quiet=as_json), images_only=images_only)
     _done(rec, receipt, as_json)
 
 

@@ -49,6 +49,8 @@ class PreparedRestore:
     weights: weight_paths.WeightChoice | None = None
     #: what the restore needs that the workload it replaces holds (freed when that one is stopped)
     held_by_replaced: tuple[str, ...] = ()
+    #: the tree was restored ahead (a warm workload): it holds the port, activation hydrates it
+    restored_ahead: bool = False
 
     def discard(self) -> None:
         """Drop everything preparation made (an activation that never happens, or after one)."""
@@ -152,7 +154,7 @@ def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Pro
     w = req.workload
     try:
         with settings_mod.using(prepared.settings), Attempt(rb) as attempt:
-            holder = port_holder_settled(w.launch.port)
+            holder = None if prepared.restored_ahead else port_holder_settled(w.launch.port)
             if holder:
                 raise RestoreError("port %d is in use by %s: stop that workload before restoring" % (w.launch.port, holder))
             t0 = time.monotonic()

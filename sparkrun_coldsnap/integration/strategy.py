@@ -161,8 +161,8 @@ class Strategy:
         name = workload_name(context)
         _, log_path = local_record_paths(name)
         local = plan.request.workload.launch.executor == "local"
-        if local:
-            _stop_replaced(name)
+        if local and not (plan.prepared is not None and plan.prepared.restored_ahead):
+            _stop_replaced(name)  # (a tree restored ahead is recorded under the name: it is this workload)
         try:
             done = api.activate(plan, log_path=log_path, on_started=(lambda pid: _register(name, pid)) if local else None, progress=Progress(), on_note=_say)
         except ColdsnapError as err:

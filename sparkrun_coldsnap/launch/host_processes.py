@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,6 +45,24 @@ class StagedTree:
         if not self._handed_over:
             paths.remove_staging(self.staging)
             self._handed_over = True
+
+
+@dataclass
+class RestoredTree:
+    """A tree restored ahead of its activation (a warm workload): activating it hands over the
+    running tree; nothing is restored then, and nothing is discarded if it never is."""
+
+    root_pid: int
+    log_path: Path
+    on_handover: Callable[[], None] | None = None
+
+    def activate(self, name: str, *, log_path: Path, progress: Progress) -> RunningUnit:
+        if self.on_handover is not None:
+            self.on_handover()
+        return StartedUnit(self.root_pid, None, self.log_path)
+
+    def discard(self) -> None:
+        pass  # the tree stays warm: releasing it is the lifecycle's
 
 
 class HostProcesses(Launcher):

@@ -51,6 +51,9 @@ class WarmRestore(Strict):
     images: str = Field(description="The unit's unpacked images inside the staging.")
     weights_cached: bool = False
     expires_at: str
+    tree_pid: int | None = Field(
+        default=None, description="On GPU drivers: the root of the process tree restored ahead (GPU state back, weights not hydrated); activation only hydrates and validates it.",
+    )  # fmt: skip
 
 
 class WorkloadRecord(Strict):

@@ -5,8 +5,9 @@ A workload the plugin manages is in one of five states:
 * ``active``: serving;
 * ``sleeping``: the engine released its accelerator memory in place (the process stays);
 * ``hibernated``: captured into a capsule and stopped; host and accelerator memory are free;
-* ``warm``: a restore prepared ahead (admitted, staged, weights read into the page cache),
-  waiting for ``wake`` or ``sparkrun run`` to activate it;
+* ``warm``: a restore prepared ahead (admitted, staged, weights read into the page cache; on
+  GPU drivers the tree restored too, its engine asleep), waiting for ``wake`` or ``sparkrun
+  run`` to activate it;
 * ``failed``: a transition was interrupted and what it left could not be told apart; the
   record says what is known and what to run next.
 

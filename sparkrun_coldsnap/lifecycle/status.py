@@ -64,7 +64,9 @@ def row(rec: WorkloadRecord) -> dict[str, Any]:
         "host_memory_bytes": host_memory(rec.root_pid) if alive else 0,
         "gpu_memory_bytes": gpu_memory(rec.root_pid) if alive else None,
         "sleep_level": rec.sleep_level,
-        "warm": {"staged_bytes": staged_bytes(rec), "expires_at": rec.warm.expires_at, "weights_cached": rec.warm.weights_cached} if rec.warm else None,
+        "warm": {
+            "staged_bytes": staged_bytes(rec), "expires_at": rec.warm.expires_at, "weights_cached": rec.warm.weights_cached, "tree_pid": rec.warm.tree_pid,
+        } if rec.warm else None,  # fmt: skip
         "transition": rec.transition.model_dump() if rec.transition else None,
         "note": rec.note,
         "last_receipt": rec.last_receipt,
@@ -79,6 +81,7 @@ def status(spec: str | None = None, where: verbs.Where = verbs.Where()) -> list[
     else:
         verbs.release_expired()
         verbs.forget_stopped()
+        verbs.release_stopped_warm()
         chosen = records.all_records()
     out = []
     for rec in chosen:
@@ -105,7 +108,9 @@ def describe(r: dict[str, Any]) -> str:
     lines = ["%s  %s since %s" % (r["workload"], state, r["since"]), "  recipe %s, %s/%s on port %d" % (r["recipe"], r["engine"], r["driver"], r["port"])]
     lines.append("  capsule %s%s" % (r["capsule"] or "none (started vanilla)", " (%s)" % r["capsule_digest"][:19] if r["capsule_digest"] else ""))
     lines.append("  holds %s%s" % (held, ", pid %d" % r["root_pid"] if r["root_pid"] else ""))
-    if r["warm"]:
+    if r["warm"] and r["warm"].get("tree_pid"):
+        lines.append("  warm: process tree restored ahead (pid %d, engine asleep, weights not hydrated), kept until %s" % (r["warm"]["tree_pid"], r["warm"]["expires_at"]))
+    elif r["warm"]:
         lines.append("  warm: %d MiB staged, kept until %s%s" % (r["warm"]["staged_bytes"] // mib, r["warm"]["expires_at"], ", weights in the page cache" if r["warm"]["weights_cached"] else ""))
     if r["note"]:
         lines.append("  note: %s" % r["note"])

@@ -77,6 +77,7 @@ def locate(spec: str, where: Where = Where()) -> WorkloadRecord:
     """The record of the workload *spec* names: a recipe (placed as ``sparkrun run`` places it) or a workload name."""
     release_expired()
     forget_stopped()
+    release_stopped_warm()
     if not is_recipe(spec):
         return records.require(spec)
     from sparkrun_coldsnap.integration import placement, planning
@@ -269,7 +270,9 @@ def hibernate(spec: str, *, where: Where = Where(), progress: Progress = QUIET) 
 # -- warm ----------------------------------------------------------------------------------------
 
 
-def prepare_warm(spec: str, *, keep_seconds: float = DEFAULT_KEEP_SECONDS, where: Where = Where(), progress: Progress = QUIET) -> tuple[WorkloadRecord, Receipt]:
+def prepare_warm(
+    spec: str, *, keep_seconds: float = DEFAULT_KEEP_SECONDS, where: Where = Where(), progress: Progress = QUIET, images_only: bool = False,
+) -> tuple[WorkloadRecord, Receipt]:  # fmt: skip
     from sparkrun_coldsnap.integration import placement
 
     rec = locate(spec, where)
@@ -281,11 +284,11 @@ def prepare_warm(spec: str, *, keep_seconds: float = DEFAULT_KEEP_SECONDS, where
         req = placement.restore_request(_plan(rec))
         req = req.model_copy(update={"capsule": CapsuleName(name=req.capsule.name, tag=rec.capsule_ref.rsplit(":", 1)[1])})
         try:
-            kept, receipt = warm.prepare_ahead(req, workload=rec.workload, store=store_of(rec), keep_seconds=keep_seconds, progress=progress)
+            kept, receipt = warm.prepare_ahead(req, workload=rec.workload, store=store_of(rec), keep_seconds=keep_seconds, progress=progress, images_only=images_only)
         except ColdsnapError as err:
             _failed(rec, err)
             raise
-        return t.done(state="warm", warm=kept, last_receipt=_save(rec, receipt)), receipt
+        return t.done(state="warm", warm=kept, root_pid=kept.tree_pid, last_receipt=_save(rec, receipt)), receipt
 
 
 def release(spec: str, *, where: Where = Where()) -> WorkloadRecord:
@@ -296,8 +299,8 @@ def release(spec: str, *, where: Where = Where()) -> WorkloadRecord:
 def _release(rec: WorkloadRecord, because: str) -> WorkloadRecord:
     with transition(rec, "release") as t:
         if t.rec.warm is not None:
-            warm.release_dir(t.rec.warm.staging)
-        return t.done(state="hibernated", warm=None, note=because)
+            warm.release_dir(t.rec.warm.staging)  # the tree restored ahead too, if there is one
+        return t.done(state="hibernated", warm=None, root_pid=None, note=because)
 
 
 def forget_stopped() -> list[str]:
@@ -312,6 +315,20 @@ def forget_stopped() -> list[str]:
                         records.remove(rec.workload)
                         out.append(rec.workload)
             except records.Busy:
+                continue
+    return out
+
+
+def release_stopped_warm() -> list[str]:
+    """Release every warm restore whose tree restored ahead is gone (``sparkrun stop`` ended it):
+    the workload is hibernated again."""
+    out = []
+    for rec in records.all_records():
+        if rec.state == "warm" and rec.warm is not None and rec.warm.tree_pid is not None and rec.transition is None and not warm.tree_alive(rec.warm):
+            try:
+                _release(rec, "its process tree restored ahead (pid %d) was stopped; the workload is hibernated" % rec.warm.tree_pid)
+                out.append(rec.workload)
+            except ColdsnapError:
                 continue
     return out
 
