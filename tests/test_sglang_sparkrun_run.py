@@ -205,14 +205,20 @@ def asked_since(sr: Sparkrun, recipe: Path, mark: int) -> list[tuple[str, str]]:
     return [c for c in calls[mark:] if c[1] != "/health"]
 
 
-def test_warm_restores_the_tree_ahead_asleep_and_sparkrun_run_only_hydrates_and_validates(captured, sr, tmp_path):
-    _, store, recipe, port, receipt = captured
+def run_and_hibernate(sr: Sparkrun, recipe: Path, port: int, tmp_path: Path) -> str:
+    """The recipe run from its capsule, then hibernated, with lifecycle records of the test's own; its workload name."""
     sr.env["COLDSNAP_LIFECYCLE_DIR"] = str(tmp_path / "lifecycle")
     sr("run", str(recipe), "-H", "localhost", "--no-follow")
+    name = lifecycle_row(sr)["workload"]
+    sr.coldsnap("hibernate", name)
+    wait_no_process(port)
+    return name
+
+
+def test_warm_restores_the_tree_ahead_asleep_and_sparkrun_run_only_hydrates_and_validates(captured, sr, tmp_path):
+    _, store, recipe, port, receipt = captured
     try:
-        name = lifecycle_row(sr)["workload"]
-        sr.coldsnap("hibernate", name)
-        wait_no_process(port)
+        name = run_and_hibernate(sr, recipe, port, tmp_path)
         warm = json.loads(sr.coldsnap("warm", name, "--keep", "600", "--json").stdout)
         phases = [p["name"] for p in warm["phases"]]
         assert warm["state"] == "succeeded" and phases[-1] == "restore" and "prepare.stage" in phases, phases
@@ -242,12 +248,8 @@ def test_warm_restores_the_tree_ahead_asleep_and_sparkrun_run_only_hydrates_and_
 
 def test_a_warm_tree_is_ended_by_release_and_by_sparkrun_stop_and_images_only_restores_none(captured, sr, tmp_path):
     _, store, recipe, port, _ = captured
-    sr.env["COLDSNAP_LIFECYCLE_DIR"] = str(tmp_path / "lifecycle")
-    sr("run", str(recipe), "-H", "localhost", "--no-follow")
     try:
-        name = lifecycle_row(sr)["workload"]
-        sr.coldsnap("hibernate", name)
-        wait_no_process(port)
+        name = run_and_hibernate(sr, recipe, port, tmp_path)
         # warm --release ends the tree it restored
         tree = json.loads(sr.coldsnap("warm", name, "--json").stdout)["details"]["tree_pid"]
         assert tree in pids(port)

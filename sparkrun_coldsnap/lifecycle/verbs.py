@@ -24,7 +24,7 @@ from sparkrun_coldsnap.documents.request import CapsuleName
 from sparkrun_coldsnap.engines.base import Endpoint
 from sparkrun_coldsnap.errors import ColdsnapError, EngineError, NotFoundError, RequestError, ValidationError
 from sparkrun_coldsnap.lifecycle import records, settle, warm
-from sparkrun_coldsnap.lifecycle.records import WorkloadRecord
+from sparkrun_coldsnap.lifecycle.records import WarmRestore, WorkloadRecord
 from sparkrun_coldsnap.progress import QUIET, Progress
 
 HIBERNATION_TAG = "hibernated-"
@@ -322,24 +322,24 @@ def forget_stopped() -> list[str]:
 def release_stopped_warm() -> list[str]:
     """Release every warm restore whose tree restored ahead is gone (``sparkrun stop`` ended it):
     the workload is hibernated again."""
-    out = []
-    for rec in records.all_records():
-        if rec.state == "warm" and rec.warm is not None and rec.warm.tree_pid is not None and rec.transition is None and not warm.tree_alive(rec.warm):
-            try:
-                _release(rec, "its process tree restored ahead (pid %d) was stopped; the workload is hibernated" % rec.warm.tree_pid)
-                out.append(rec.workload)
-            except ColdsnapError:
-                continue
-    return out
+    return _release_each(
+        lambda w: w.tree_pid is not None and not warm.tree_alive(w),
+        lambda w: "its process tree restored ahead (pid %s) was stopped; the workload is hibernated" % w.tree_pid,
+    )  # fmt: skip
 
 
 def release_expired() -> list[str]:
     """Release every warm restore whose time is up (a busy workload is left for later)."""
+    return _release_each(warm.expired, lambda w: "its warm restore expired at %s and was released" % w.expires_at)
+
+
+def _release_each(due: Callable[[WarmRestore], bool], because: Callable[[WarmRestore], str]) -> list[str]:
+    """Release every idle warm restore *due* says is to go, with *because*'s note; the workloads released."""
     out = []
     for rec in records.all_records():
-        if rec.state == "warm" and rec.warm is not None and rec.transition is None and warm.expired(rec.warm):
+        if rec.state == "warm" and rec.warm is not None and rec.transition is None and due(rec.warm):
             try:
-                _release(rec, "its warm restore expired at %s and was released" % rec.warm.expires_at)
+                _release(rec, because(rec.warm))
                 out.append(rec.workload)
             except ColdsnapError:
                 continue
