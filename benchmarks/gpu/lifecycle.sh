@@ -41,6 +41,17 @@ if ! sparkrun coldsnap --help >/dev/null 2>&1; then
   sparkrun coldsnap --help >/dev/null 2>&1 || { echo "sparkrun has no coldsnap command, even with SPARKRUN_FEATURE_PLUGINS_COLDSNAP=1: is the plugin installed in $SITE?" >&2; exit 2; }
   echo "the plugin is not enabled in sparkrun's settings here; enabled with SPARKRUN_FEATURE_PLUGINS_COLDSNAP=1"
 fi
+# `sparkrun coldsnap sleep|wake|hibernate|warm RECIPE` find the recipe's workload by the cluster id
+# sparkrun plans for it, which stays the same from one command to the next only under a scheduler
+# with deterministic placement (greedy). sparkrun 0.4.2 creates clusters with occupancy-sparse, which
+# draws a new placement token for every plan: each verb then answered "recipe ... has no workload
+# managed here (it would be sparkrun_<intent>_<new token>_solo)" (docs/benchmarks.md, "Lifecycle
+# transitions on the H200"). The cluster sparkrun_path.sh made gets the greedy scheduler.
+if sparkrun cluster update coldsnap-local --scheduler greedy >/dev/null 2>&1; then
+  echo "cluster coldsnap-local: scheduler greedy"
+else
+  echo "could not set the greedy scheduler on cluster coldsnap-local: the lifecycle verbs may not find the workload" >&2
+fi
 # The Hugging Face cache the model is in, as sparkrun_path.sh found it.
 HF_HOME=$("$PY" -c 'import json, sys; from pathlib import Path; print(Path(json.loads(Path(sys.argv[1]).read_text())["path"]).parents[3])' "$MODEL_JSON") || exit 2
 export HF_HOME

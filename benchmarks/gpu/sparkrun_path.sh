@@ -71,7 +71,14 @@ settings_by_hand() {
   for reg in $(sparkrun registry list 2>/dev/null | awk '/^---/ {t=1; next} t && / yes / {print $1}'); do
     sparkrun registry disable "$reg" >/dev/null 2>&1 && echo "recipe registry $reg disabled (unreachable from here)"
   done
-  sparkrun cluster list 2>/dev/null | grep -q coldsnap-local || sparkrun cluster create coldsnap-local -H localhost --executor local --default
+  # The greedy scheduler: sparkrun 0.4.2 gives new clusters occupancy-sparse, which draws a new
+  # placement token (part of the workload's cluster id) at every launch, and the lifecycle verbs
+  # (lifecycle.sh) then find no workload for the recipe.
+  if sparkrun cluster list 2>/dev/null | grep -q coldsnap-local; then
+    sparkrun cluster update coldsnap-local --scheduler greedy
+  else
+    sparkrun cluster create coldsnap-local -H localhost --executor local --default --scheduler greedy
+  fi
 }
 
 # 3. Configure: CRIU from the carried packages, then sparkrun's settings (`setup --sparkrun`:
