@@ -201,3 +201,22 @@ def test_a_settled_warm_drops_its_kept_images(lifecycle_home, tmp_path):
     dropped: list[str] = []
     settled = settle.settle(rec, always, dropped.append)
     assert settled.state == "hibernated" and settled.warm is None and dropped == [str(staging)]
+
+
+def test_a_workload_is_found_by_its_intent_when_a_plan_drew_another_placement_token(lifecycle_home):
+    from sparkrun_coldsnap.integration.records import intent_pattern, same_intent
+
+    assert intent_pattern(NAME) == "sparkrun_0123456789abcdef_*_solo"
+    assert intent_pattern("sparkrun_0123456789abcdef_fedcba987654_node_1") == "sparkrun_0123456789abcdef_*_node_1"
+    replanned = "sparkrun_0123456789abcdef_00000000aaaa_solo"
+    assert same_intent(replanned, NAME) and not same_intent("sparkrun_ffffffffffffffff_00000000aaaa_solo", NAME)
+    assert not same_intent("sparkrun_0123456789abcdef_00000000aaaa_node_0", NAME)  # a rank is not the solo unit
+    assert records.find(replanned) is None
+    records.save(record())
+    found = records.find(replanned)
+    assert found is not None and found.workload == NAME
+    assert records.find("sparkrun_ffffffffffffffff_00000000aaaa_solo") is None
+    # Two deployments of the same intent: neither is taken for the other.
+    records.save(record(workload="sparkrun_0123456789abcdef_111111111111_solo"))
+    assert records.find(replanned) is None and len(records.alike(replanned)) == 2
+    assert records.find(NAME).workload == NAME  # an exact name is always itself

@@ -271,3 +271,40 @@ def test_a_warm_tree_is_ended_by_release_and_by_sparkrun_stop_and_images_only_re
     finally:
         sr("stop", str(recipe), "-H", "localhost", check=False)
     wait_no_process(port)
+
+
+def test_the_lifecycle_follows_its_workload_when_every_run_is_named_anew(captured, sr, tmp_path):
+    """On a cluster with sparkrun's default, status-aware scheduler every plan draws a new
+    placement token: the same recipe run again has another name. The run replaces the workload
+    of the same intent, and the verbs given the recipe find it."""
+    _, store, recipe, port, receipt = captured
+    sr.env["COLDSNAP_LIFECYCLE_DIR"] = str(tmp_path / "lifecycle")
+    sr("cluster", "create", "sparse", "--hosts", "localhost")
+    on = ("--cluster", "sparse")
+    sr("run", str(recipe), *on, "--no-follow")
+    try:
+        first = lifecycle_row(sr)["workload"]
+        out = sr("run", str(recipe), *on, "--no-follow")
+        second = lifecycle_row(sr)["workload"]  # one row: the replaced workload's record went
+        assert second != first and "restored fake-sglang:latest" in out.stderr, out.stderr[-2000:]
+        assert ask(port) == receipt["validation"]["reply"]
+
+        sr.coldsnap("hibernate", str(recipe), *on)
+        wait_no_process(port)
+        assert lifecycle_row(sr)["state"] == "hibernated"
+        sr.coldsnap("warm", str(recipe), *on)  # the tree restored ahead, recorded under the old name
+        tree = lifecycle_row(sr)["warm"]["tree_pid"]
+        assert tree
+        woke = json.loads(sr.coldsnap("wake", str(recipe), *on, "--json").stdout)
+        row = lifecycle_row(sr)
+        assert woke["state"] == "succeeded" and row["state"] == "active" and row["workload"] != second and row["root_pid"] == tree  # sparkrun left it to serve
+        assert ask(port) == receipt["validation"]["reply"]
+        assert "fake-sglang call" in sr("logs", str(recipe), *on, "-n", "50").stdout  # the new name reads the tree's log
+
+        sr.coldsnap("hibernate", str(recipe), *on)
+        wait_no_process(port)
+        listed = sr.coldsnap("list", "--store", str(store)).stdout
+        assert "hibernated-%s " % row["workload"] in listed and "hibernated-%s " % second not in listed, listed  # the older hibernation's tag went
+    finally:
+        sr("stop", str(recipe), *on, check=False)
+    wait_no_process(port)

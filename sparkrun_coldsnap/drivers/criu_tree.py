@@ -249,6 +249,16 @@ def pid_problems(pids: tuple[int, ...], *, zombie_wait: float = 5.0) -> list[str
     return ["captured PID %d is taken by %s (%s): restore needs it free; stop that process" % held_pid for held_pid in held]
 
 
+def await_pids_free(pids: tuple[int, ...], *, timeout: float = 15.0) -> None:
+    """Give the captured PIDs *timeout* seconds to come free: the workload a restore replaces
+    was stopped just before it (by the plugin, or by sparkrun's own eviction), and a stopped
+    process keeps its PID until it has exited and its parent (often the host's init) reaps it.
+    What still holds one after that is left for ``criu restore`` to refuse."""
+    deadline = time.monotonic() + timeout
+    while any(psutil.pid_exists(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def restore_problems(unit: UnitImage, *, replacing: frozenset[int] = frozenset()) -> list[str]:
     """What on this host stops *unit* from coming back: its captured PIDs (a tree restored
     into the host PID namespace needs them free) and its shared files in use; what the
@@ -361,6 +371,8 @@ def restore(
     pidfile = paths.run_dir() / ("restore-%d-%s.pid" % (os.getpid(), unit.name))
     pidfile.parent.mkdir(parents=True, exist_ok=True)
     pidfile.unlink(missing_ok=True)
+    if not unit.pid_namespace:
+        await_pids_free(unit.pids)
     occupied = {pid for pid in unit.pids if psutil.pid_exists(pid)}
     t_files = time.monotonic()
     placed = _place_shared(unit, images)

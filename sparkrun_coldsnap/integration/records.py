@@ -9,7 +9,9 @@ pinned sparkrun.
 
 from __future__ import annotations
 
+import fnmatch
 import os
+import re
 from pathlib import Path
 
 from sparkrun_coldsnap.host.atomic import write_bytes
@@ -34,6 +36,58 @@ def register_local(name: str, pid: int) -> Path:
     write_bytes(pidfile.with_name(pidfile.name + ".owner"), get_application_profile().id.encode())
     write_bytes(pidfile, ("%d\n" % pid).encode())
     return pidfile
+
+
+#: sparkrun's workload names: ``<namespace>_<intent>_<placement token>_<role>``
+_NAME = re.compile(r"^(?P<intent>.+)_(?P<token>[0-9a-f]+)_(?P<role>solo|node_\d+)$")
+
+
+def intent_pattern(name: str) -> str:
+    """The glob matching every name of *name*'s intent (recipe, runtime, model, port, parallelism).
+
+    A status-aware scheduler (sparkrun's default for a new cluster) draws a new placement token on
+    every plan, so the same recipe run again gets another name; the rest of the name is stable.
+    """
+    m = _NAME.match(name)
+    return "%s_*_%s" % (m["intent"], m["role"]) if m else name
+
+
+def same_intent(name: str, other: str) -> bool:
+    return fnmatch.fnmatchcase(other, intent_pattern(name))
+
+
+def live_of_intent(name: str) -> list[str]:
+    """The workloads recorded here under a name of *name*'s intent whose process still runs."""
+    pidfile, _ = local_record_paths(name)
+    found = sorted(p.name[: -len(".pid")] for p in pidfile.parent.glob(intent_pattern(name) + ".pid"))
+    return [n for n in found if registered_pid(n) is not None]
+
+
+def replaced_workload(name: str) -> str | None:
+    """The running workload a run named *name* replaces: the one recorded under that name, or
+    else the one running of the same intent (it holds the same port); None when there is none
+    or several."""
+    if registered_pid(name) is not None:
+        return name
+    live = live_of_intent(name)
+    return live[0] if len(live) == 1 else None
+
+
+def unregister_local(name: str) -> None:
+    """Drop sparkrun's record of workload *name* (its process now recorded under another name)."""
+    pidfile, _ = local_record_paths(name)
+    for path in (pidfile, pidfile.with_name(pidfile.name + ".owner")):
+        path.unlink(missing_ok=True)
+
+
+def adopt_log(old: str, new: str) -> None:
+    """Workload *new*'s log is *old*'s, which its running processes still write: linked, so that
+    ``sparkrun logs`` of the new name reads it."""
+    _, old_log = local_record_paths(old)
+    _, new_log = local_record_paths(new)
+    if old_log.exists() and not new_log.exists():
+        new_log.parent.mkdir(parents=True, exist_ok=True)
+        new_log.symlink_to(old_log)
 
 
 def registered_pid(name: str) -> int | None:

@@ -238,11 +238,12 @@ def _replaced_tree(req: RestoreRequest) -> tuple[int | None, frozenset[int]]:
     """The root and processes of the host-process workload this run replaces (sparkrun stops it
     after preparation): what they hold does not refuse the capsule."""
     from sparkrun_coldsnap.host.process_tree import tree_pids
-    from sparkrun_coldsnap.integration.records import registered_pid
+    from sparkrun_coldsnap.integration.records import registered_pid, replaced_workload
 
     if req.workload.launch.executor != "local":
         return None, frozenset()
-    pid = registered_pid(req.workload_name)
+    old = replaced_workload(req.workload_name)
+    pid = registered_pid(old) if old else None
     return (pid, frozenset(tree_pids(pid))) if pid else (None, frozenset())
 
 
@@ -251,16 +252,21 @@ def _stop_replaced(name: str) -> None:
 
     sparkrun's eviction leaves a workload that keeps its name (the same recipe run again) to
     its runtime's own launch, which removes it by name first; a strategy replaces that launch,
-    so the plugin does it here, after preparation and before the restore or start.
+    so the plugin does it here, after preparation and before the restore or start. Under a
+    status-aware scheduler the same recipe gets a new name on every run: the workload of the
+    same intent recorded here under its old name is the one replaced, and its record goes.
     """
     from sparkrun_coldsnap.host.process_tree import kill_tree
-    from sparkrun_coldsnap.integration.records import registered_pid
+    from sparkrun_coldsnap.integration.records import registered_pid, replaced_workload, unregister_local
 
-    pid = registered_pid(name)
-    if pid is None:
+    old = replaced_workload(name)
+    pid = registered_pid(old) if old else None
+    if old is None or pid is None:
         return
-    _say("stopping the workload this run replaces (pid %d), now that the new one is staged" % pid)
+    _say("stopping the workload this run replaces (pid %d%s), now that the new one is staged" % (pid, "" if old == name else ", %s" % old))
     kill_tree(pid, grace=10.0)
+    if old != name:
+        unregister_local(old)
 
 
 def _register(name: str, pid: int) -> None:

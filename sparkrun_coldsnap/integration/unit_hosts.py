@@ -19,6 +19,7 @@ from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.request import LaunchUnit
 from sparkrun_coldsnap.errors import ColdsnapError, IntegrityError, RequestError, ToolError
 from sparkrun_coldsnap.integration.ranks import RankRecord, Ranks, dead_ranks, wait_rendezvous
+from sparkrun_coldsnap.integration.records import intent_pattern
 from sparkrun_coldsnap.launch.remote import Tick
 
 CHUNK = 64 << 20  # bytes per read of a remote file: a layer never sits whole in memory
@@ -131,9 +132,7 @@ class SparkrunUnitHosts:
         return self.ranks.name_of(unit)
 
     def rank_pattern(self, unit: LaunchUnit) -> str:
-        # sparkrun_<recipe intent>_<placement token>_node_<rank>: the token is the run's own.
-        cluster_id, rank = self.ranks.name_of(unit).rsplit("_node_", 1)
-        return "%s_*_node_%s" % (cluster_id.rsplit("_", 1)[0], rank)
+        return intent_pattern(self.ranks.name_of(unit))  # the placement token is the run's own
 
     def head_address(self, unit: LaunchUnit) -> str:
         return unit.host

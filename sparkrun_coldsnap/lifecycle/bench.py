@@ -60,6 +60,7 @@ def run(req: RestoreRequest, *, recipe: str, where: verbs.Where, store: CapsuleS
     )  # fmt: skip
     if rc != 0:
         raise ColdsnapError("sparkrun run %s ended with exit status %d" % (recipe, rc))
+    name = current(name)
     can_sleep = verbs.cannot_sleep(records.require(name)) is None
     try:
         for i in range(samples):
@@ -82,23 +83,33 @@ def run(req: RestoreRequest, *, recipe: str, where: verbs.Where, store: CapsuleS
             if drop_cache:
                 drop_page_cache()
             progress.step("sample %d/%d: wake from hibernation" % (i + 1, samples))
-            _, woke = verbs.wake(name)
+            rec, woke = verbs.wake(name)
+            name = rec.workload  # a wake is a `sparkrun run`, which a status-aware scheduler names anew
             results.append(_restore_sample("wake_from_hibernate", i, woke))
             verbs.hibernate(name, progress=progress)
             progress.step("sample %d/%d: warm, then activate" % (i + 1, samples))
             _, warmed = verbs.prepare_warm(name, progress=progress)
-            _, woke = verbs.wake(name)
+            rec, woke = verbs.wake(name)
+            name = rec.workload
             results.append(_restore_sample("activate_from_warm", i, woke, prepare=warmed.total_seconds))
             progress.note("sample %d: %s" % (i + 1, ", ".join("%s %.2f s" % (s.path, s.ttft_seconds) for s in results if s.index == i)))
     finally:
-        rec = records.load(name)
-        if rec is not None and rec.root_pid and rec.state in ("active", "sleeping"):
+        left = records.find(name)
+        if left is not None and left.root_pid and left.state in ("active", "sleeping"):
             from sparkrun_coldsnap.host.process_tree import kill_tree
 
-            kill_tree(rec.root_pid)
-            records.remove(name)
+            kill_tree(left.root_pid)
+            records.remove(left.workload)
     capsules = {"wake_from_hibernate": {"ref": verbs.hibernation_tag(name)}}
     return bench_mod.document(req, results, capsules=capsules, drop_cache=drop_cache, extra={"lifecycle": True})
+
+
+def current(name: str) -> str:
+    """The name the workload *name* planned as is recorded under (a run may have named it anew)."""
+    rec = records.find(name)
+    if rec is None:
+        raise ColdsnapError("the workload sparkrun run started is not recorded here (planned as %s)" % name)
+    return rec.workload
 
 
 WHAT = {

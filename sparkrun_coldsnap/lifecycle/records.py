@@ -131,6 +131,23 @@ def save(rec: WorkloadRecord) -> WorkloadRecord:
     return rec
 
 
+def find(workload: str) -> WorkloadRecord | None:
+    """The record of *workload*, or else of the one workload of the same intent managed here
+    (the same recipe, named anew by a status-aware scheduler's plan); None when none or several."""
+    rec = load(workload)
+    if rec is not None:
+        return rec
+    others = alike(workload)
+    return others[0] if len(others) == 1 else None
+
+
+def alike(workload: str) -> list[WorkloadRecord]:
+    """The records of workloads of *workload*'s intent, whatever placement token names them."""
+    from sparkrun_coldsnap.integration.records import same_intent
+
+    return [r for r in all_records() if same_intent(workload, r.workload)]
+
+
 def remove(workload: str) -> None:
     record_path(workload).unlink(missing_ok=True)
 

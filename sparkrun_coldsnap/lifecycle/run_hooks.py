@@ -32,11 +32,12 @@ _held: dict[str, contextlib.ExitStack] = {}
 def before_prepare(req: RestoreRequest, store: CapsuleStore, settings: Settings, say: Any) -> tuple[RestoreRequest, PreparedRestore | None]:
     """The request to prepare (the hibernation capsule's, when hibernated) and, when warm, the prepared restore."""
     name = req.workload_name
+    found = records.find(name)  # under a status-aware scheduler the run's name is new
     stack = contextlib.ExitStack()
-    stack.enter_context(records.locked(name))
+    stack.enter_context(records.locked(found.workload if found is not None else name))
     _held[name] = stack
     try:
-        rec = records.load(name)
+        rec = records.load(found.workload) if found is not None else None
         if rec is None:
             return req, None
         rec = settle.settle(rec, capsule_present(rec), warm.release_dir)
@@ -50,7 +51,7 @@ def before_prepare(req: RestoreRequest, store: CapsuleStore, settings: Settings,
         req = req.model_copy(update={"capsule": req.capsule.model_copy(update={"tag": tag})})
         if rec.state == "warm" and rec.warm is not None and not warm.expired(rec.warm):
             try:
-                prepared = warm.claim(rec.warm, req, store=store, settings=settings)
+                prepared = warm.claim(rec.warm, req, store=store, settings=settings, workload=rec.workload)
                 say("workload %s was warm: restoring from the images kept for it (%s)" % (name, rec.warm.capsule_ref))
                 return req, prepared
             except ColdsnapError as err:
@@ -71,7 +72,7 @@ def activated(
     """Record *req*'s workload active (the restore or vanilla start that *receipt* describes)."""
     try:
         w = req.workload
-        old = records.load(req.workload_name)
+        old = records.find(req.workload_name)
         if old is not None and old.warm is not None:
             warm.release_dir(old.warm.staging)  # the restore consumed what it could; the rest goes
         adapter = extensions.registry().engine(w.engine)
@@ -87,6 +88,8 @@ def activated(
                 transition=old.transition if old is not None and old.transition is not None and old.transition.verb == "wake" else None,
             )
         )  # fmt: skip
+        if old is not None and old.workload != req.workload_name:
+            records.remove(old.workload)  # the same workload, named anew by this run's plan
     finally:
         end(req.workload_name)
 
@@ -94,7 +97,7 @@ def activated(
 def failed(req: RestoreRequest) -> None:
     """An activation that failed: what the record says is settled against what is there."""
     try:
-        rec = records.load(req.workload_name)
+        rec = records.find(req.workload_name)
         if rec is not None and rec.transition is not None and rec.transition.verb == "activate":
             state = "hibernated" if capsule_present(rec)(rec.capsule_ref or "") else "failed"
             if rec.warm is not None:

@@ -84,7 +84,10 @@ def locate(spec: str, where: Where = Where()) -> WorkloadRecord:
 
     actx = planning.plan_activation(spec, hosts=where.hosts, cluster=where.cluster, overrides=where.overrides or {}, offline=where.offline)
     req = placement.restore_request(actx)
-    rec = records.load(req.workload_name)
+    rec = records.find(req.workload_name)
+    several = records.alike(req.workload_name) if rec is None else []
+    if len(several) > 1:
+        raise RequestError("recipe %s has %d workloads managed here (%s): name one" % (spec, len(several), ", ".join(r.workload for r in several)))
     if rec is None:
         raise NotFoundError("recipe %s has no workload managed here (it would be %s): `sparkrun run %s` starts it" % (spec, req.workload_name, spec))
     if rec.capsule_name != req.capsule.name:
@@ -226,7 +229,9 @@ def wake(spec: str, *, where: Where = Where()) -> tuple[WorkloadRecord, Receipt]
                 )
             if rc != 0:
                 raise ColdsnapError("sparkrun run %s ended with exit status %d" % (rec.recipe, rc))
-            now = records.require(rec.workload)  # the strategy recorded the restored workload
+            now = records.find(rec.workload)  # the strategy recorded the restored workload (under the run's name)
+            if now is None:
+                raise ColdsnapError("sparkrun run %s left no record of workload %s" % (rec.recipe, rec.workload))
             rb.details["restore_receipt"] = now.last_receipt
             receipt = finish(rb, None)
             t.rec = now
@@ -261,10 +266,23 @@ def hibernate(spec: str, *, where: Where = Where(), progress: Progress = QUIET) 
             _failed(rec, err)
             raise
         validation = out.receipt.validation
+        _drop_older_hibernation(rec, req.capsule.ref)
         return t.done(
             state="hibernated", root_pid=None, capsule_ref=req.capsule.ref, capsule_digest=out.receipt.capsule, sleep_level=None,
             expected_reply=validation.reply if validation else rec.expected_reply, last_receipt=_save(rec, out.receipt),
         ), out.receipt  # fmt: skip
+
+
+def _drop_older_hibernation(rec: WorkloadRecord, new_ref: str) -> None:
+    """The hibernation capsule the workload came back from, under an older name of it (a
+    status-aware scheduler names each run anew), is superseded by *new_ref*: its tag goes
+    (``gc`` frees the blobs it alone held)."""
+    old = rec.capsule_ref
+    if old and old != new_ref and old.split(":", 1)[-1].startswith(HIBERNATION_TAG):
+        try:
+            store_of(rec).untag(old)
+        except ColdsnapError:
+            pass  # already gone
 
 
 # -- warm ----------------------------------------------------------------------------------------

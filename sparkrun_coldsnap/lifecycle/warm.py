@@ -163,9 +163,10 @@ def _recorded_tree(staging: Path) -> int | None:
     return None
 
 
-def claim(warm: WarmRestore, req: RestoreRequest, *, store: CapsuleStore, settings: Settings, progress: Progress = QUIET) -> PreparedRestore:
-    """The kept restore as a prepared one (admission runs again; nothing is unpacked): the images,
-    or the tree restored ahead, which activation then only hydrates and validates."""
+def claim(warm: WarmRestore, req: RestoreRequest, *, store: CapsuleStore, settings: Settings, workload: str, progress: Progress = QUIET) -> PreparedRestore:
+    """The kept restore of *workload* as a prepared one (admission runs again; nothing is
+    unpacked): the images, or the tree restored ahead, which activation then only hydrates and
+    validates, under the run's name (``req.workload_name``)."""
     if req.capsule.ref != warm.capsule_ref:
         req = req.model_copy(update={"capsule": req.capsule.model_copy(update={"tag": warm.capsule_ref.rsplit(":", 1)[1]})})
     if warm.tree_pid is None:
@@ -179,15 +180,19 @@ def claim(warm: WarmRestore, req: RestoreRequest, *, store: CapsuleStore, settin
         # What the tree holds (its PIDs, its shared files) is the workload's own.
         cap, r, choice, _ = open_and_admit(req, store, settings, rb, replacing=frozenset(tree_pids(warm.tree_pid)))
     rb.details["restored_ahead"] = True
-    _, log_path = _log_of(req.workload_name)
-    staged = RestoredTree(warm.tree_pid, log_path, on_handover=lambda: _tree_file(Path(warm.staging)).unlink(missing_ok=True))
+    from sparkrun_coldsnap.integration.records import adopt_log, local_record_paths, register_local, unregister_local
+
+    if workload != req.workload_name:
+        # A status-aware scheduler named this run anew, and sparkrun stops the deployments of
+        # the same intent under other names just before the activation: the tree takes the
+        # run's name now (its output keeps going to its log, which the new name's links to).
+        register_local(req.workload_name, warm.tree_pid)
+        unregister_local(workload)
+        adopt_log(workload, req.workload_name)
+    staged = RestoredTree(
+        warm.tree_pid, local_record_paths(workload)[1], on_handover=lambda: _tree_file(Path(warm.staging)).unlink(missing_ok=True),
+    )  # fmt: skip
     return PreparedRestore(req, cap, r, settings, rb, staged, prepare_seconds=time.monotonic() - t, weights=choice, restored_ahead=True)
-
-
-def _log_of(workload: str) -> tuple[Path, Path]:
-    from sparkrun_coldsnap.integration.records import local_record_paths
-
-    return local_record_paths(workload)
 
 
 def expired(warm: WarmRestore) -> bool:
