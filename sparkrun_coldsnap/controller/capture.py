@@ -55,6 +55,8 @@ class CaptureRun:
     t0: float
     native_wanted: bool
     store: CapsuleStore
+    #: the engine was already serving when the capture began (a hibernate): no launch to time from
+    live: bool = False
 
 
 def capture(req: CaptureRequest, *, store: CapsuleStore, settings: Settings | None = None, progress: Progress = QUIET) -> CaptureOutcome:
@@ -227,6 +229,9 @@ def _ready_and_validated(run: CaptureRun, t0: float) -> Validation:
     rb.validation = validation
     if not validation.passed:
         raise ValidationError("the engine replied %r, the recipe expects %r: fix coldsnap.validation.expected_reply" % (validation.reply, validation.expected_reply))
+    if run.live:
+        run.progress.note("the serving engine replied %r" % validation.reply)
+        return validation
     run.progress.note("first token %.1f s after launch; reply %r" % (validation.ttft_seconds or 0, validation.reply))
     rb.details["vanilla_ttft_seconds"] = validation.ttft_seconds
     return validation

@@ -61,7 +61,7 @@ def hibernate(
             unit_def = w.topology.units[0]
             run = CaptureRun(
                 req, r, settings, rb, progress, unit_def, log_path, staging / "units" / unit_def.name, endpoint, unit, time.monotonic(),
-                weight_paths.writes_native(w, r.driver, r.adapter), store,
+                weight_paths.writes_native(w, r.driver, r.adapter), store, live=True,
             )  # fmt: skip
             try:
                 image, validation, native = _checkpoint_at_capture_point(run)
