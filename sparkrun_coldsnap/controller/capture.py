@@ -57,6 +57,8 @@ class CaptureRun:
     store: CapsuleStore
     #: the engine was already serving when the capture began (a hibernate): no launch to time from
     live: bool = False
+    #: the native payload the serving engine's weights came back from, written by an earlier capture
+    native_reuse: NativePayload | None = None
 
 
 def capture(req: CaptureRequest, *, store: CapsuleStore, settings: Settings | None = None, progress: Progress = QUIET) -> CaptureOutcome:
@@ -191,7 +193,7 @@ def _checkpoint_at_capture_point(run: CaptureRun) -> tuple[UnitImage, Validation
     native = None
     if r.driver.checkpoints_serving:
         validation = _ready_and_validated(run, run.t0)
-        native = _export_native(run) if run.native_wanted else None
+        native = (reused_native(run) or _export_native(run)) if run.native_wanted else None
         if r.driver.needs_release:
             with rb.phase("release_memory"):
                 r.adapter.release_memory(run.endpoint)
@@ -248,6 +250,21 @@ def _precheck(run: CaptureRun) -> None:
         raise CaptureError("cannot capture the workload: %s" % "; ".join(problems))
     if short:
         raise CaptureError("%s; free space there, or put the capsule store on a larger disk (coldsnap.capsule.store)" % short)
+
+
+def reused_native(run: CaptureRun) -> NativePayload | None:
+    """The payload a live capture can keep instead of writing it again: the engine's weights have
+    not changed since they were loaded from it (the same tensors, the same workers' layout); used
+    only where it is on this host and intact."""
+    record = run.native_reuse
+    if record is None:
+        return None
+    problems = native_payload.problems(record)
+    if problems:
+        run.rb.details["native_not_reused"] = problems[0]
+        return None
+    run.rb.details["native_reused"] = record.digest
+    return record
 
 
 def _export_native(run: CaptureRun) -> NativePayload | None:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
+from sparkrun_coldsnap.capsule.config import NativePayload
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.controller.capture import CaptureOutcome, CaptureRun, _checkpoint_at_capture_point, package
 from sparkrun_coldsnap.controller.common import Attempt, finish, require_one_unit, resolve
@@ -31,8 +32,10 @@ from sparkrun_coldsnap.weights import model_files, weight_paths
 
 def hibernate(
     req: CaptureRequest, *, root_pid: int, log_path: Path, store: CapsuleStore, settings: Settings | None = None, progress: Progress = QUIET,
+    native: NativePayload | None = None,
 ) -> CaptureOutcome:  # fmt: skip
-    """Capture the workload serving at *root_pid* into capsule ``req.capsule`` of *store*, then stop it."""
+    """Capture the workload serving at *root_pid* into capsule ``req.capsule`` of *store*, then stop
+    it; *native* is the payload of the capsule it came back from, kept if still intact."""
     settings = settings or settings_mod.current()
     rb = ReceiptBuilder("hibernate", request_sha256=req.digest())
     rb.capsule_ref = req.capsule.ref
@@ -61,7 +64,7 @@ def hibernate(
             unit_def = w.topology.units[0]
             run = CaptureRun(
                 req, r, settings, rb, progress, unit_def, log_path, staging / "units" / unit_def.name, endpoint, unit, time.monotonic(),
-                weight_paths.writes_native(w, r.driver, r.adapter), store, live=True,
+                weight_paths.writes_native(w, r.driver, r.adapter), store, live=True, native_reuse=native,
             )  # fmt: skip
             try:
                 image, validation, native = _checkpoint_at_capture_point(run)

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from sparkrun_coldsnap import extensions
+from sparkrun_coldsnap.capsule import capsule as capsule_mod
+from sparkrun_coldsnap.capsule.config import NativePayload
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.controller.common import Attempt, finish
 from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder, Validation, save_failure_receipt, save_receipt
@@ -261,7 +263,9 @@ def hibernate(spec: str, *, where: Where = Where(), progress: Progress = QUIET) 
         req = placement.capture_request(_plan(rec))
         req = req.model_copy(update={"capsule": CapsuleName(name=req.capsule.name, tag=hibernation_tag(rec.workload))})
         try:
-            out = capture_live(req, root_pid=rec.root_pid, log_path=local_record_paths(rec.workload)[1], store=store_of(rec), progress=progress)
+            out = capture_live(
+                req, root_pid=rec.root_pid, log_path=local_record_paths(rec.workload)[1], store=store_of(rec), progress=progress, native=source_native(rec, req),
+            )  # fmt: skip
         except ColdsnapError as err:
             _failed(rec, err)
             raise
@@ -271,6 +275,20 @@ def hibernate(spec: str, *, where: Where = Where(), progress: Progress = QUIET) 
             state="hibernated", root_pid=None, capsule_ref=req.capsule.ref, capsule_digest=out.receipt.capsule, sleep_level=None,
             expected_reply=validation.reply if validation else rec.expected_reply, last_receipt=_save(rec, out.receipt),
         ), out.receipt  # fmt: skip
+
+
+def source_native(rec: WorkloadRecord, req: Any) -> NativePayload | None:
+    """The native payload of the capsule *rec*'s workload came back from, when its weights are the
+    ones the recipe pins (a hibernate keeps it instead of writing the same tensors again)."""
+    if not rec.capsule_digest:
+        return None  # started vanilla: nothing written yet
+    try:
+        weights = capsule_mod.open_capsule(store_of(rec), rec.capsule_digest).config.weights
+    except ColdsnapError:
+        return None
+    if weights.native is None or (weights.model_id, weights.revision) != (req.workload.model.id, req.workload.model.revision):
+        return None
+    return weights.native
 
 
 def _drop_older_hibernation(rec: WorkloadRecord, new_ref: str) -> None:
