@@ -71,6 +71,9 @@ settings_by_hand() {
   for reg in $(sparkrun registry list 2>/dev/null | awk '/^---/ {t=1; next} t && / yes / {print $1}'); do
     sparkrun registry disable "$reg" >/dev/null 2>&1 && echo "recipe registry $reg disabled (unreachable from here)"
   done
+  # sparkrun's first-run discovery of registries stays pending, and every command then retries
+  # cloning them: marked done, as `setup --sparkrun` does on a host without internet.
+  "$PY" -c 'from sparkrun_coldsnap.integration.registries import settle_pending_bootstrap as s; print("registry discovery marked done" if s() else "no registry discovery pending")' || return 1
   # The greedy scheduler: sparkrun 0.4.2 gives new clusters occupancy-sparse, which draws a new
   # placement token (part of the workload's cluster id) at every launch, and the lifecycle verbs
   # (lifecycle.sh) then find no workload for the recipe.
