@@ -86,11 +86,12 @@ def prepare_ahead(
         cached = False
         if choice is not None:
             cached = page_cache.cache_for_restore(cap.config, choice, req.workload.model.path, rb, progress, enabled=settings.weights_cache).cached
-        why_not = None if images_only else tree_ahead_refused(req, r, choice)
-        if why_not is None and not images_only:
-            tree_pid = restore_tree_ahead(req, cap, r, staging, workload, rb, progress)
-        elif not images_only:
-            rb.details["tree_not_restored"] = why_not
+        if not images_only:
+            why_not = tree_ahead_refused(req, r, choice)
+            if why_not is None:
+                tree_pid = restore_tree_ahead(req, cap, r, staging, workload, rb, progress)
+            else:
+                rb.details["tree_not_restored"] = why_not
     expires = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=keep_seconds)
     image = cap.config.units[0]
     warm = WarmRestore(
