@@ -48,9 +48,7 @@ class Formats(Strict):
     artifact_type: str
     config_media_type: str
     layer_media_types: tuple[str, ...]
-    companion_artifact_types: dict[str, str] = Field(
-        description="Artifacts published beside a capsule: its model files (its subject) and its native weight payload (referring to it)."
-    )
+    companion_artifact_types: dict[str, str] = Field(description="Artifacts published beside a capsule: its model files (its subject) and its native weight payload (referring to it).")
 
 
 class HostCaps(Strict):

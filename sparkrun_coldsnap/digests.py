@@ -68,5 +68,3 @@ class HashingReader:
     @property
     def digest(self) -> str:
         return "sha256:" + self._hash.hexdigest()
-
-

@@ -52,9 +52,7 @@ class Extensions:
         for adapter in self.engines.values():
             if runtime in adapter.runtimes:
                 return adapter
-        raise RequestError(
-            "no engine adapter serves sparkrun runtime %r: set coldsnap.engine to one of %s" % (runtime, ", ".join(sorted(self.engines)))
-        )
+        raise RequestError("no engine adapter serves sparkrun runtime %r: set coldsnap.engine to one of %s" % (runtime, ", ".join(sorted(self.engines))))
 
     def driver(self, name: str) -> SnapshotDriver:
         try:

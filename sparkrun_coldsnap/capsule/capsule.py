@@ -74,9 +74,7 @@ def publish(store: CapsuleStore, layers: list[PackedLayer], config: CapsuleConfi
     desc = Descriptor(media.OCI_MANIFEST, sha256_bytes(manifest_bytes), len(manifest_bytes), artifact_type=media.ARTIFACT_TYPE)
     # One step under the store lock, the tag last: until it is written no reader sees the
     # capsule, and a write killed before it leaves blobs the next write (or gc) frees.
-    store.commit(
-        "%s:%s" % (config.name, config.tag), desc, files=[(l.path, l.digest, l.size) for l in layers], documents=[config_bytes, manifest_bytes]
-    )
+    store.commit("%s:%s" % (config.name, config.tag), desc, files=[(l.path, l.digest, l.size) for l in layers], documents=[config_bytes, manifest_bytes])
     return desc
 
 
@@ -84,9 +82,7 @@ def parse_manifest(desc: Descriptor, doc: dict[str, Any]) -> None:
     if doc.get("mediaType") not in (None, media.OCI_MANIFEST) or doc.get("schemaVersion") != 2:
         raise IntegrityError("%s is not an OCI image manifest" % short(desc.digest))
     if doc.get("artifactType") != media.ARTIFACT_TYPE:
-        raise StoreError(
-            "%s is an artifact of type %r, not a coldsnap capsule (%s)" % (short(desc.digest), doc.get("artifactType"), media.ARTIFACT_TYPE)
-        )
+        raise StoreError("%s is an artifact of type %r, not a coldsnap capsule (%s)" % (short(desc.digest), doc.get("artifactType"), media.ARTIFACT_TYPE))
     if not isinstance(doc.get("config"), dict) or doc["config"].get("mediaType") != media.CONFIG_MEDIA_TYPE:
         raise StoreError("%s has no coldsnap capsule config" % short(desc.digest))
 

@@ -26,9 +26,7 @@ class NativePayload(Strict):
 
 
 class WeightsRecord(Strict):
-    location: Literal["in-image", "external"] = Field(
-        description="in-image: the engine could not release its weights, they are inside the process images; external: hydrated from the files below."
-    )
+    location: Literal["in-image", "external"] = Field(description="in-image: the engine could not release its weights, they are inside the process images; external: hydrated from the files below.")
     model_id: str
     revision: str
     files: tuple[ModelFile, ...]
@@ -69,8 +67,5 @@ class CapsuleConfig(Strict):
         # disagree could be admitted on the strength of one while the other is true.
         fp = self.fingerprint
         if (self.engine.name, self.engine.version) != (fp.engine, fp.engine_version):
-            raise ValueError(
-                "engine %s %s disagrees with fingerprint.engine %s %s: the config was altered; recapture"
-                % (self.engine.name, self.engine.version, fp.engine, fp.engine_version)
-            )
+            raise ValueError("engine %s %s disagrees with fingerprint.engine %s %s: the config was altered; recapture" % (self.engine.name, self.engine.version, fp.engine, fp.engine_version))
         return self

@@ -67,9 +67,7 @@ class RegistryClient:
         scheme = "http" if transport.plain_http else "https"
         self.base = "%s://%s/v2/%s" % (scheme, ref.registry, ref.repository)
         self.root = "%s://%s/v2/" % (scheme, ref.registry)
-        self._oras = oras.provider.Registry(
-            hostname=ref.registry, insecure=transport.plain_http, tls_verify=transport.ca_file or True, auth_backend="basic"
-        )
+        self._oras = oras.provider.Registry(hostname=ref.registry, insecure=transport.plain_http, tls_verify=transport.ca_file or True, auth_backend="basic")
         self.session: requests.Session = self._oras.session
         self.session.verify = transport.ca_file or True
         self._credentials = self._find_credentials()
@@ -111,10 +109,7 @@ class RegistryClient:
             try:
                 r = self.session.request(method, url, headers=headers, auth=auth, **kw)
             except requests.exceptions.SSLError as err:
-                raise RegistryError(
-                    "TLS verification of registry %s failed: pass its CA certificate (--ca-file / coldsnap.capsule.ca_file), or --plain-http for a plain-HTTP registry"
-                    % self._where()
-                ) from err
+                raise RegistryError("TLS verification of registry %s failed: pass its CA certificate (--ca-file / coldsnap.capsule.ca_file), or --plain-http for a plain-HTTP registry" % self._where()) from err
             except requests.exceptions.ConnectionError as err:
                 raise RegistryError("cannot reach registry %s: %s; check the address and that the registry is running" % (self._where(), _reason(err))) from err
             except requests.exceptions.Timeout as err:

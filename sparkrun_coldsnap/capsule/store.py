@@ -103,10 +103,7 @@ class VerifiedReader:
         if self._reader.size > self.size:
             raise IntegrityError("blob %s is larger than recorded (%d > %d bytes): the store is damaged; delete and re-pull or recapture" % (short(self.digest), self._reader.size, self.size))
         if (not data or n < 0) and (self._reader.size != self.size or self._reader.digest != self.digest):
-            raise IntegrityError(
-                "blob %s failed verification (got %s, %d bytes): the store is damaged; delete the capsule and re-pull or recapture"
-                % (short(self.digest), short(self._reader.digest), self._reader.size)
-            )
+            raise IntegrityError("blob %s failed verification (got %s, %d bytes): the store is damaged; delete the capsule and re-pull or recapture" % (short(self.digest), short(self._reader.digest), self._reader.size))
 
     def verify_rest(self) -> None:
         """Read to the end, so the digest check runs even if the consumer stopped early."""
@@ -160,15 +157,9 @@ class CapsuleStore:
             except FileNotFoundError:
                 continue
             if st.st_uid != euid:
-                raise UntrustedStoreError(
-                    "capsule store %s: %s is owned by uid %d, not by the user restoring (uid %d): restore only from a store you own (chown -R %d %s)"
-                    % (self.root, path, st.st_uid, euid, euid, self.root)
-                )
+                raise UntrustedStoreError("capsule store %s: %s is owned by uid %d, not by the user restoring (uid %d): restore only from a store you own (chown -R %d %s)" % (self.root, path, st.st_uid, euid, euid, self.root))
             if st.st_mode & 0o022:
-                raise UntrustedStoreError(
-                    "capsule store %s: %s is writable by %s: restore only from a store no one else can change (chmod go-w %s)"
-                    % (self.root, path, "others" if st.st_mode & 0o002 else "its group", path)
-                )
+                raise UntrustedStoreError("capsule store %s: %s is writable by %s: restore only from a store no one else can change (chmod go-w %s)" % (self.root, path, "others" if st.st_mode & 0o002 else "its group", path))
 
     def init(self) -> CapsuleStore:
         """Create the layout if missing; check it if present."""

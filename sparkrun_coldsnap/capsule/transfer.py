@@ -272,10 +272,7 @@ def pull_native(client: RegistryClient, cap: Capsule, *, progress: Progress = QU
         return 0
     published = [d for d in client.referrers(cap.digest, media.NATIVE_ARTIFACT_TYPE) if (d.get("annotations") or {}).get(media.A_NATIVE) == record.digest]
     if not published:
-        raise RequestError(
-            "capsule %s was published without its native weight payload: publish it with --with-native from the host that captured it (until then restores take the recovery path)"
-            % short(cap.digest)
-        )
+        raise RequestError("capsule %s was published without its native weight payload: publish it with --with-native from the host that captured it (until then restores take the recovery path)" % short(cap.digest))
     shutil.rmtree(native_payload.directory(record), ignore_errors=True)  # a damaged copy is replaced
     # Kept when interrupted: the next pull resumes each file where this one stopped.
     staged = native_payload.download_dir(record)

@@ -85,8 +85,7 @@ def say_if_replacing(capsule_store, ref: str) -> None:
     except ColdsnapError:  # not there (or no store yet): nothing is replaced
         return
     click.echo(
-        "[coldsnap] %s is capsule %s: this capture replaces it once the new one is published (it stays listed until then; "
-        "--tag NAME captures beside it)" % (ref, short(old.descriptor.digest)),
+        "[coldsnap] %s is capsule %s: this capture replaces it once the new one is published (it stays listed until then; --tag NAME captures beside it)" % (ref, short(old.descriptor.digest)),
         err=True,
     )
 

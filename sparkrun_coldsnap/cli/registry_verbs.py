@@ -57,9 +57,7 @@ def publish(capsule, repository, store, plain_http, ca_file, chunk_size, with_we
     ref = parse(repository, default_tag=None)
     cap = capsule_mod.open_capsule(s, capsule)
     model_dir = model_dir_of(cap) if with_weights else None
-    result = do_publish(
-        s, capsule, ref, client_for(ref, plain_http, ca_file), model_dir=model_dir, with_native=with_native, chunk=chunk_size, progress=Progress(quiet=as_json)
-    )
+    result = do_publish(s, capsule, ref, client_for(ref, plain_http, ca_file), model_dir=model_dir, with_native=with_native, chunk=chunk_size, progress=Progress(quiet=as_json))
     if as_json:
         emit_json(result.__dict__)
         return

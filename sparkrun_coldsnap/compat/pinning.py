@@ -61,10 +61,7 @@ def launch_problem(workload: Workload, adapter: EngineAdapter) -> str | None:
             return None
         return "the serve command loads the model from %s, not from the pinned snapshot of %s@%s (%s): name that directory or pass %s {model_revision}" % (
             arg, model.id, model.revision, model.path or "not on this host", flag)  # fmt: skip
-    return (
-        "the serve command does not pass model_revision to the engine, which would load whatever the model cache's refs/main names: "
-        "add `%s {model_revision}` to the recipe's command" % flag
-    )
+    return "the serve command does not pass model_revision to the engine, which would load whatever the model cache's refs/main names: add `%s {model_revision}` to the recipe's command" % flag
 
 
 def snapshot_files(model_dir: Path | str) -> dict[str, str]:

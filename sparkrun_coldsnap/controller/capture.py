@@ -87,17 +87,12 @@ def capture(req: CaptureRequest, *, store: CapsuleStore, settings: Settings | No
             if pin_problem:
                 raise RequestError(pin_problem)
             if not w.model.path:
-                raise RequestError(
-                    "the pinned snapshot of %s@%s is not in the model cache (HF_HOME): a capsule is bound to the files of that snapshot; download that revision first"
-                    % (w.model.id, w.model.revision)
-                )
+                raise RequestError("the pinned snapshot of %s@%s is not in the model cache (HF_HOME): a capsule is bound to the files of that snapshot; download that revision first" % (w.model.id, w.model.revision))
             store.init()
         with rb.phase("model_digests"):
             recorded_files = model_files.record(Path(w.model.path))
         native_wanted = weight_paths.writes_native(w, r.driver, r.adapter)
-        command, env = r.adapter.prepare_launch(
-            w.launch.command, r.launcher.engine_env(w, r.engine_env, settings.environ), release_weights=r.driver.needs_release, native_weights=native_wanted
-        )
+        command, env = r.adapter.prepare_launch(w.launch.command, r.launcher.engine_env(w, r.engine_env, settings.environ), release_weights=r.driver.needs_release, native_weights=native_wanted)
         launched = command, dict(env)
         command, env = r.driver.launch_settings(command, env, adapter=r.adapter, topology=w.topology)
         if (command, env) != launched:  # what the driver needs of the launch, for whoever reads the receipt
@@ -152,12 +147,8 @@ def package(run: CaptureRun, staging: Path, image: UnitImage, validation: Valida
         fingerprint=r.fingerprint(w, image.criu_version),
         engine=EngineRecord(name=w.engine, version=r.adapter.version(r.facts.packages) if r.facts else None),
         driver=r.driver.name,
-        validation=CapturedValidation(
-            prompt=req.validation.prompt, max_tokens=req.validation.max_tokens, reply=validation.reply or "", request_ttft_seconds=validation.request_ttft_seconds
-        ),
-        weights=WeightsRecord(
-            location="in-image" if r.driver.weights_in_image else "external", model_id=w.model.id, revision=w.model.revision, files=recorded_files, native=native
-        ),
+        validation=CapturedValidation(prompt=req.validation.prompt, max_tokens=req.validation.max_tokens, reply=validation.reply or "", request_ttft_seconds=validation.request_ttft_seconds),
+        weights=WeightsRecord(location="in-image" if r.driver.weights_in_image else "external", model_id=w.model.id, revision=w.model.revision, files=recorded_files, native=native),
         units=(image,),
     )
     with rb.phase("publish"):

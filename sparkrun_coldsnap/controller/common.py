@@ -45,8 +45,7 @@ def require_one_unit(workload: Workload, operation: Literal["capture", "restore"
         placed = ", ".join("%s on %s" % (u.name, u.host) for u in units)
         raise RequestError(
             "a request document of several launch units cannot be run as it is: the recipe places %d (%s), whose hosts are reached through sparkrun; "
-            "%s the recipe through sparkrun (sparkrun coldsnap capture RECIPE --cluster NAME, then sparkrun run RECIPE), or send each unit's request to its host (--unit)"
-            % (len(units), placed, operation),
+            "%s the recipe through sparkrun (sparkrun coldsnap capture RECIPE --cluster NAME, then sparkrun run RECIPE), or send each unit's request to its host (--unit)" % (len(units), placed, operation),
             code="request.multi_host",
         )
 

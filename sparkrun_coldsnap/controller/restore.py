@@ -59,9 +59,7 @@ class PreparedRestore:
             self.weights.release_memory()
 
 
-def check_admission(
-    cap: Capsule, req: RestoreRequest, r: Resolved, *, replacing: frozenset[int] = frozenset()
-) -> tuple[list[str], weight_paths.WeightChoice | None]:
+def check_admission(cap: Capsule, req: RestoreRequest, r: Resolved, *, replacing: frozenset[int] = frozenset()) -> tuple[list[str], weight_paths.WeightChoice | None]:
     """Admission of *cap* for *req* on this host, with this host's fingerprint."""
     here = r.fingerprint(req.workload, r.driver.checkpoint_tool_version())
     return admission(cap.config, req, here, r.driver, r.adapter, replacing=replacing)
@@ -186,9 +184,7 @@ def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Pro
                 validation = validate(r, endpoint, req, t0, expected)
             rb.validation = validation
             if not validation.passed:
-                raise ValidationError(
-                    "restored workload replied %r, capsule %s recorded %r: the capsule does not match this host; recapture" % (validation.reply, req.capsule.ref, expected)
-                )
+                raise ValidationError("restored workload replied %r, capsule %s recorded %r: the capsule does not match this host; recapture" % (validation.reply, req.capsule.ref, expected))
             rb.details["prepare_seconds"] = round(prepared.prepare_seconds, 4)
             rb.details["root_pid"] = root_pid
             engine_temp.sweep()  # what the workload this one replaced left in /tmp

@@ -76,8 +76,7 @@ def _resolved(w: Workload, settings: Settings) -> Resolved:
     r = resolve(w, settings)
     if r.driver.name not in MULTI_HOST_DRIVERS:
         raise RequestError(
-            "driver %s cannot capture a workload of several hosts yet (%s can): capture each host's engine on its own, or use driver: cpu for a CPU engine"
-            % (r.driver.name, ", ".join(MULTI_HOST_DRIVERS)),
+            "driver %s cannot capture a workload of several hosts yet (%s can): capture each host's engine on its own, or use driver: cpu for a CPU engine" % (r.driver.name, ", ".join(MULTI_HOST_DRIVERS)),
             code="request.multi_host",
         )
     return r

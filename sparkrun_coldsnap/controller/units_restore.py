@@ -55,11 +55,7 @@ def topology_problems(cap: Capsule, req: RestoreRequest) -> list[str]:
     hosts = lambda units: ", ".join("%s on %s" % (u.name, u.host) for u in sorted(units.values(), key=lambda u: u.rank))  # noqa: E731
     if set(captured) != set(placed):
         return ["the capsule has %d units (%s), the run places %d (%s)" % (len(captured), hosts(captured), len(placed), hosts(placed))]
-    return [
-        "unit %s ran on host %s at capture, the run places it on host %s" % (name, captured[name].host, placed[name].host)
-        for name in sorted(captured)
-        if captured[name].host != placed[name].host
-    ]
+    return ["unit %s ran on host %s at capture, the run places it on host %s" % (name, captured[name].host, placed[name].host) for name in sorted(captured) if captured[name].host != placed[name].host]
 
 
 def refuse_topology(cap: Capsule, req: RestoreRequest) -> None:
@@ -67,8 +63,7 @@ def refuse_topology(cap: Capsule, req: RestoreRequest) -> None:
     if problems:
         order = ",".join(u.host for u in ordered(cap.config.workload))
         raise CompatibilityError(
-            "capsule %s does not fit this placement: %s; the ranks reach each other at the captured addresses: run on the captured hosts in rank order (-H %s) or capture again on these"
-            % (req.capsule.ref, "; ".join(problems), order),
+            "capsule %s does not fit this placement: %s; the ranks reach each other at the captured addresses: run on the captured hosts in rank order (-H %s) or capture again on these" % (req.capsule.ref, "; ".join(problems), order),
             code="compatibility.topology",
         )
 
@@ -213,5 +208,3 @@ class _NoUnit:
 
     def log_location(self) -> str:
         return "sparkrun logs (every rank on its host)"
-
-

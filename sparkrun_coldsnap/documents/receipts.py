@@ -48,9 +48,7 @@ class ErrorInfo(Strict):
 
 
 class Weights(Strict):
-    path: Literal["in-image", "native", "recovery", "engine-load", "none"] = Field(
-        description="in-image: inside the process images; native/recovery: hydrated after restore; engine-load: the engine loaded them itself (template)."
-    )
+    path: Literal["in-image", "native", "recovery", "engine-load", "none"] = Field(description="in-image: inside the process images; native/recovery: hydrated after restore; engine-load: the engine loaded them itself (template).")
     seconds: float | None = None
     files: int | None = None
     bytes: int | None = None
@@ -177,5 +175,3 @@ def save_failure_receipt(err: ColdsnapError, explicit: Path | None, receipts_dir
         return save_receipt(err.receipt, explicit, receipts_dir, name)
     except ColdsnapError:
         return None
-
-

@@ -41,9 +41,7 @@ class CapsuleSettings(Strict):
     plain_http: bool = Field(False, description="Talk to the registry over plain HTTP (a registry on loopback, say).")
     ca_file: str | None = Field(None, description="CA certificate bundle to verify the registry's TLS certificate with.")
     pull_weights: bool = Field(True, description="Fetch the model files from the capsule's weights artifact when they are missing here.")
-    pull_native: bool = Field(
-        True, description="Fetch the capsule's native weight payload, when it was published, with the capsule (weights: auto or native)."
-    )
+    pull_native: bool = Field(True, description="Fetch the capsule's native weight payload, when it was published, with the capsule (weights: auto or native).")
 
     @field_validator("name")
     @classmethod
@@ -67,21 +65,15 @@ class ColdsnapBlock(Strict):
     capsule: CapsuleSettings = Field(default_factory=CapsuleSettings)
     driver: str = Field("auto", description="Snapshot driver: auto, cpu, n610 or n580.")
     engine: str | None = Field(None, description="Engine adapter; defaults from the recipe's runtime (vllm, sglang).")
-    engine_env: str | None = Field(
-        None, description="Local engine environment (installed by `sparkrun coldsnap setup`) for host-process workloads."
-    )
+    engine_env: str | None = Field(None, description="Local engine environment (installed by `sparkrun coldsnap setup`) for host-process workloads.")
     weights: Literal["auto", "native", "recovery", "in-image"] = Field("auto", description="How weights come back after restore.")
     validation: ValidationSettings = Field(default_factory=ValidationSettings)
-    on_missing: Literal["vanilla", "fail"] = Field(
-        "vanilla", description="When the capsule does not exist: start the engine vanilla, or fail."
-    )
+    on_missing: Literal["vanilla", "fail"] = Field("vanilla", description="When the capsule does not exist: start the engine vanilla, or fail.")
     on_incompatible: Literal["vanilla", "fail"] = Field(
         "vanilla",
         description="When admission refuses the capsule on this host (a library upgraded since capture, another driver or engine build): start the engine vanilla, or fail. `sparkrun coldsnap restore` always fails.",
     )
-    recapture: bool = Field(
-        False, description="After a vanilla start caused by a missing or refused capsule, capture the engine again and serve from the new capsule, so the next start restores."
-    )
+    recapture: bool = Field(False, description="After a vanilla start caused by a missing or refused capsule, capture the engine again and serve from the new capsule, so the next start restores.")
     ready_timeout_seconds: float = Field(900.0, gt=0, description="How long a vanilla engine start may take.")
 
 

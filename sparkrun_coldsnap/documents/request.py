@@ -141,9 +141,7 @@ class _WorkloadRequest(Strict):
     validation: ValidationSpec
     capsule: CapsuleName
     ready_timeout_seconds: float = Field(900.0, gt=0)
-    request_sha256: str | None = Field(
-        None, description="The document's own digest (what --dry-run prints); when present, a run checks the document still matches it. Not part of the digest."
-    )
+    request_sha256: str | None = Field(None, description="The document's own digest (what --dry-run prints); when present, a run checks the document still matches it. Not part of the digest.")
 
     def digest(self) -> str:
         return request_digest(self)

@@ -60,9 +60,7 @@ class UnitImage(Strict):
     listening_ports: tuple[int, ...] = Field((), description="TCP ports the tree listened on at capture (a restore in its own network namespace forwards the recipe's port to the captured one).")
     image_bytes: int = 0
     criu_version: str | None = None
-    files: tuple[RecordedFile, ...] = Field(
-        (), description="Regular files the tree mapped or held open at capture (host processes), compared by admission before a restore."
-    )
+    files: tuple[RecordedFile, ...] = Field((), description="Regular files the tree mapped or held open at capture (host processes), compared by admission before a restore.")
     driver_data: dict[str, Any] = Field(
         default_factory=dict,
         description="What the driver needs to restore the unit; n610: cuda_pids, gpu_uuids (the GPUs the workload used), host_gpu_uuids (every GPU of the capture host), driver_version.",

@@ -67,7 +67,6 @@ class CpuDriver(CriuDriver):
         root, _keeper, handed = criu_isolated.restore(Criu.locate(), unit, images, log_path=log_path, progress=progress, host_port=port, owned_dir=owned_dir)
         return RestoredUnit(root, images_handed_over=handed)
 
-
     def checkpoint_container(self, unit: Any, images: Path, *, unit_name: str, host: str, spec: Any, progress: Progress) -> UnitImage:
         from sparkrun_coldsnap.documents.request import redact_env
         from sparkrun_coldsnap.launch import docker as docker_unit

@@ -66,8 +66,16 @@ _MESSAGES: dict[str, tuple[tuple[Any, ...], ...]] = {
     "PagemapHead": (("pages_id", 1, _U32),),
     "PagemapEntry": (("vaddr", 1, _U64), ("compat_nr_pages", 2, _U32), ("in_parent", 3, _BOOL), ("flags", 4, _U32), ("nr_pages", 5, _U64)),
     "VmaEntry": (
-        ("start", 1, _U64), ("end", 2, _U64), ("pgoff", 3, _U64), ("shmid", 4, _U64), ("prot", 5, _U32),
-        ("flags", 6, _U32), ("status", 7, _U32), ("fd", 8, _S64), ("madv", 9, _U64), ("fdflags", 10, _U32),
+        ("start", 1, _U64),
+        ("end", 2, _U64),
+        ("pgoff", 3, _U64),
+        ("shmid", 4, _U64),
+        ("prot", 5, _U32),
+        ("flags", 6, _U32),
+        ("status", 7, _U32),
+        ("fd", 8, _S64),
+        ("madv", 9, _U64),
+        ("fdflags", 10, _U32),
     ),  # fmt: skip
     "MmEntry": (("vmas", 14, _MSG, "VmaEntry", True),),
 }

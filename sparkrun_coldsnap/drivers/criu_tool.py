@@ -57,7 +57,7 @@ def private_argv(prefix: Path | None = None) -> tuple[str, ...] | None:
 
 def wrapper_script(private: Sequence[str]) -> str:
     """The wrapper runc runs: exec the private CRIU through its loader."""
-    return "#!/bin/sh\n%s\nexec %s \"$@\"\n" % (WRAPPER_MARK, " ".join(shlex.quote(a) for a in private))
+    return '#!/bin/sh\n%s\nexec %s "$@"\n' % (WRAPPER_MARK, " ".join(shlex.quote(a) for a in private))
 
 
 def wrapped_argv(path: Path) -> tuple[str, ...] | None:

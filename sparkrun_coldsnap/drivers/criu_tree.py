@@ -111,9 +111,7 @@ def dump(
         for leftover in _listing(dirs) - before:
             leftover.unlink(missing_ok=True)
         state = resume_after_failed_dump(pids, already_stopped=before_dump)
-        raise CheckpointFailed(
-            "criu dump of pid %d %s: %s; %s" % (root_pid, how_it_ended(done.returncode), log_tail(images / DUMP_LOG), state.describe()), tree_running=state.running
-        )
+        raise CheckpointFailed("criu dump of pid %d %s: %s; %s" % (root_pid, how_it_ended(done.returncode), log_tail(images / DUMP_LOG), state.describe()), tree_running=state.running)
     remaps = sorted(_listing(dirs) - before)
     saved = _save_shared(images, [Path(p) for p in shared] + remaps, owner_gone=not leave_running)
     image = unit_image(criu, images, unit=unit, host=host, driver=driver, pids=pids, resource=resource, saved=saved, tcp=tcp, listening=listening)
@@ -220,7 +218,7 @@ def _save_shared(images: Path, files: list[Path], *, owner_gone: bool, view: str
             continue
         stored = "%s/%03d-%s" % (SHARED_DIR, i, path.name)
         copy_sparse(path, images / stored)
-        out.append(SharedFile(path=str(path)[len(view):], size=st.st_size, mode=st.st_mode & 0o7777, stored=stored))
+        out.append(SharedFile(path=str(path)[len(view) :], size=st.st_size, mode=st.st_mode & 0o7777, stored=stored))
         if owner_gone or path.name.startswith("link_remap."):
             # The content now lives in the capsule (and link-remap files are CRIU's own).
             path.unlink(missing_ok=True)
@@ -270,10 +268,7 @@ def restore_problems(unit: UnitImage, *, replacing: frozenset[int] = frozenset()
 
 def shared_file_problems(unit: UnitImage, *, replacing: frozenset[int] = frozenset()) -> list[str]:
     paths = {f.path for f in unit.shared_files}
-    return [
-        "%s is in use by pid %s: stop that workload before restoring this capsule" % (path, ", ".join(who))
-        for path, who in sorted(users_of(paths, exclude=replacing).items())
-    ]
+    return ["%s is in use by pid %s: stop that workload before restoring this capsule" % (path, ", ".join(who)) for path, who in sorted(users_of(paths, exclude=replacing).items())]
 
 
 def _place_shared(unit: UnitImage, images: Path) -> list[Path]:

@@ -13,7 +13,6 @@ runs in a Python with ``cuda-bindings``.
 from __future__ import annotations
 
 import json
-import os
 import select
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import psutil
 
 from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.errors import CaptureError, RestoreError, ToolError
+from sparkrun_coldsnap.host.process_tree import fd_targets
 
 HELPER = Path(__file__).with_name("cuda_helper.py")
 LOCK_TIMEOUT_MS = 30_000
@@ -73,9 +73,7 @@ class HelperProcess:
         # captured UUIDs against the caller's, and a restore may move the workload.
         env = {k: v for k, v in settings.current().environ.items() if k != "CUDA_VISIBLE_DEVICES"}
         try:
-            self.proc = subprocess.Popen(
-                [python, str(HELPER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env
-            )
+            self.proc = subprocess.Popen([python, str(HELPER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
         except FileNotFoundError as err:
             raise ToolError("cannot start the CUDA checkpoint helper: %s not found" % python) from err
         self._send({"op": "init"})
@@ -164,16 +162,11 @@ def helper_python() -> str:
 
 
 def cuda_processes(pids: Sequence[int]) -> list[int]:
-    """Those of *pids* that hold NVIDIA device files open (each has a CUDA context)."""
-    out = []
-    for pid in pids:
-        try:
-            targets = [os.readlink("/proc/%d/fd/%s" % (pid, fd)) for fd in os.listdir("/proc/%d/fd" % pid)]
-        except OSError:
-            continue
-        if any(t.startswith("/dev/nvidia") for t in targets):
-            out.append(pid)
-    return out
+    """Those of *pids* that hold NVIDIA device files open (each has a CUDA context).
+
+    A descriptor the process closes while this reads its table is skipped on its own: the
+    process's other descriptors still count."""
+    return [pid for pid in pids if any(t.startswith("/dev/nvidia") for _, t in fd_targets(pid))]
 
 
 def _name(pid: int) -> str:
@@ -193,8 +186,7 @@ def checkpoint_all(api: CheckpointApi, pids: Sequence[int], *, timeout_ms: int =
                 api.lock(pid, timeout_ms)
             except CudaCallError as err:
                 raise CaptureError(
-                    "cannot lock CUDA process %s within %d ms (%s): is it stuck in a kernel or a collective, or does it share device memory "
-                    "with a process already locked? the workload was left running" % (_name(pid), timeout_ms, err)
+                    "cannot lock CUDA process %s within %d ms (%s): is it stuck in a kernel or a collective, or does it share device memory with a process already locked? the workload was left running" % (_name(pid), timeout_ms, err)
                 ) from err
             locked.append(pid)
         for pid in pids:
@@ -328,10 +320,7 @@ def gpu_pairs(used: Sequence[str], captured_all: Sequence[str], here_all: Sequen
     this side's CUDA_VISIBLE_DEVICES shows, in its order; no pairs when nothing moves.
     """
     if len(targets) < len(used):
-        raise RestoreError(
-            "the capsule's workload used %d GPUs but only %d are visible here (CUDA_VISIBLE_DEVICES=%s): make as many visible"
-            % (len(used), len(targets), settings.current().cuda_visible_devices or "unset")
-        )
+        raise RestoreError("the capsule's workload used %d GPUs but only %d are visible here (CUDA_VISIBLE_DEVICES=%s): make as many visible" % (len(used), len(targets), settings.current().cuda_visible_devices or "unset"))
     if len(here_all) < len(captured_all):
         raise RestoreError("the capsule was captured on a host with %d GPUs and this one has %d: restore it on a host with as many" % (len(captured_all), len(here_all)))
     chosen = list(targets[: len(used)])

@@ -82,9 +82,7 @@ def launch_settings(command: str, env: Mapping[str, str], *, adapter: EngineAdap
         out[name] = value
     for flag in adapter.ipc_flags:
         if has_flag(command, flag) and flag_value(command, flag) not in ("false", "False", "0"):
-            raise RequestError(
-                "%s in the serve command: it makes the ranks share device memory, which the CUDA checkpoint cannot carry; remove it or use driver n580" % flag
-            )
+            raise RequestError("%s in the serve command: it makes the ranks share device memory, which the CUDA checkpoint cannot carry; remove it or use driver n580" % flag)
     for flag in adapter.ipc_free_flags:
         if not has_flag(command, flag):
             command = command + " " + flag

@@ -111,7 +111,6 @@ class N580Driver(CriuDriver):
         self.after_checkpoint(pid)
         return RestoredUnit(pid, handed)
 
-
     def capabilities(self, host: HostFacts) -> dict:
         out = super().capabilities(host)
         out["qualification"] = {

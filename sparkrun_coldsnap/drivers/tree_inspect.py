@@ -139,10 +139,7 @@ def problems(root_pid: int, *, allowed_device_prefixes: tuple[str, ...] = ()) ->
             if path.startswith("/dev/") and not path.startswith(SHARED_MEMORY_DIRS + allowed_device_prefixes) and path not in HARMLESS_DEVICES:
                 found.append("%s maps device %s that this driver cannot capture" % (_label(p), path))
     for s, p, fd in settled_outside_connections(root_pid):
-        found.append(
-            "%s fd %d: TCP connection %s:%d -> %s:%d (%s) to a peer outside the workload; close it before capture"
-            % (_label(p), fd, s.local[0], s.local[1], s.remote[0], s.remote[1], s.state)
-        )
+        found.append("%s fd %d: TCP connection %s:%d -> %s:%d (%s) to a peer outside the workload; close it before capture" % (_label(p), fd, s.local[0], s.local[1], s.remote[0], s.remote[1], s.state))
     return sorted(set(found))
 
 
@@ -150,8 +147,6 @@ def established_inside(root_pid: int) -> bool:
     """Does the tree hold TCP connections between its own processes?"""
     owned = {ino for p in tree(root_pid) for _, t in fd_targets(p.pid) if (ino := _socket_inode(t)) is not None}
     return any(s.inode in owned and s.state not in ("LISTEN", "CLOSE") for s in tcp_sockets(root_pid))
-
-
 
 
 def listening_ports(root_pid: int) -> tuple[int, ...]:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import psutil
 
+from sparkrun_coldsnap.host.process_tree import fd_targets
+
 _SOCKET = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 _DIST = re.compile(r"^vllm_dist_[0-9a-f]{32}$")
 #: a file younger than this may belong to an engine still starting (bound or opened next)
@@ -76,15 +78,7 @@ def in_use() -> set[str]:
         if ns not in namespaces:
             namespaces.add(ns)
             used |= _bound_paths(pid)
-        try:
-            fds = os.listdir("/proc/%d/fd" % pid)
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                used.add(os.readlink("/proc/%d/fd/%s" % (pid, fd)))
-            except OSError:
-                continue
+        used |= {target for _, target in fd_targets(pid)}
     return used
 
 

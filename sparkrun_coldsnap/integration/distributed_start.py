@@ -62,5 +62,3 @@ def start_distributed(actx: Any, req: RestoreRequest, *, progress: Progress = QU
             raise
         rb.details["units"] = [{"unit": x.unit.name, "host": x.unit.host, "rank": x.unit.rank, "name": x.name} for x in ranks.started]
         return DistributedStart(rb.finish("succeeded"), tuple(ranks.started), validation.ttft_seconds)
-
-

@@ -251,5 +251,3 @@ def restore_request(actx: Any) -> RestoreRequest:
         workload_labels=workload_labels(actx),
         ready_timeout_seconds=block.ready_timeout_seconds,
     )
-
-

@@ -23,7 +23,5 @@ def add_cpu_accelerator(parsed: Mapping[str, str], hardware: Any) -> Any:
     from sparkrun.core.hardware import AcceleratorSpec
 
     kib = parsed.get("COLDSNAP_MEM_KIB") or ""
-    cpu = AcceleratorSpec(
-        vendor="cpu", model="cpu", count=1, memory_gb=round(int(kib) / 1024 / 1024, 1) if kib.isdigit() else None, capabilities=frozenset({"cpu"})
-    )
+    cpu = AcceleratorSpec(vendor="cpu", model="cpu", count=1, memory_gb=round(int(kib) / 1024 / 1024, 1) if kib.isdigit() else None, capabilities=frozenset({"cpu"}))
     return dataclasses.replace(hardware, accelerators=[*hardware.accelerators, cpu])

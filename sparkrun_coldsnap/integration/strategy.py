@@ -102,10 +102,7 @@ class Strategy:
                         return api.Plan(req, store, settings, vanilla_because="no capsule %s here nor in %s (%s)" % (req.capsule.ref, block.capsule.repository, err))
                     req = restore_request(context)  # the model directory may exist now
                 elif req.on_missing == "fail":
-                    raise NotFoundError(
-                        "capsule %s is not in %s and the recipe sets on_missing: fail: run `sparkrun coldsnap capture %s` first"
-                        % (req.capsule.ref, store.root, source_of(context.execution.plan.recipe))
-                    ) from None
+                    raise NotFoundError("capsule %s is not in %s and the recipe sets on_missing: fail: run `sparkrun coldsnap capture %s` first" % (req.capsule.ref, store.root, source_of(context.execution.plan.recipe))) from None
             multi = len(req.workload.topology.units) > 1
             try:
                 cap = open_capsule(store, req.capsule.ref)
@@ -133,10 +130,7 @@ class Strategy:
             if plan.prepared is not None:
                 _say("capsule %s admitted and staged in %.1f s (before the old workload is stopped)" % (req.capsule.ref, plan.prepared.prepare_seconds))
                 if plan.prepared.held_by_replaced:
-                    _say(
-                        "the workload this run replaces (pid %d) holds what the restore needs (%s): it is stopped next, before the restore"
-                        % (old_root or 0, "; ".join(plan.prepared.held_by_replaced))
-                    )
+                    _say("the workload this run replaces (pid %d) holds what the restore needs (%s): it is stopped next, before the restore" % (old_root or 0, "; ".join(plan.prepared.held_by_replaced)))
             return plan
         except ColdsnapError as err:
             if "req" in locals():
@@ -196,7 +190,6 @@ class Strategy:
                 "and its TTFT is a request of its own sent after this validation"
             )
         return ActivationResult(rc=0, runtime_info={"coldsnap": "restored %s" % digest, "coldsnap_ttft_s": ttft})
-
 
     def _activate_units(self, context: Any, plan: Any) -> Any:
         """Every unit restored on its host, validated through rank 0, recorded as sparkrun's ranks."""

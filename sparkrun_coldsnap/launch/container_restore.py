@@ -56,10 +56,7 @@ def check_room(layer: Path) -> None:
     need = (layer.stat().st_size if layer.exists() else 0) + ROOM_MARGIN
     free = disk_room.free_bytes(root)
     if free < need:
-        raise RestoreError(
-            "not enough disk space under docker's root %s for the restored container: its writable layer needs about %.2f GB, %.2f GB are free; free space there and run again"
-            % (root, need / 1e9, free / 1e9)
-        )
+        raise RestoreError("not enough disk space under docker's root %s for the restored container: its writable layer needs about %.2f GB, %.2f GB are free; free space there and run again" % (root, need / 1e9, free / 1e9))
 
 
 def prepare_restore(spec: d.ContainerSpec, images: Path, temp_name: str, *, lazy: bool | None = None) -> d.ContainerUnit:
@@ -142,10 +139,7 @@ def _take_name(unit: d.ContainerUnit, name: str) -> None:
         return
     holder = name_holder(name)
     if holder and holder != unit.container_id:
-        raise RestoreError(
-            "a container named %s already exists (%s) and this restore will not remove it: stop that workload (sparkrun stop) or remove it (docker rm -f %s), then run again"
-            % (name, holder[:12], name)
-        )
+        raise RestoreError("a container named %s already exists (%s) and this restore will not remove it: stop that workload (sparkrun stop) or remove it (docker rm -f %s), then run again" % (name, holder[:12], name))
     raise RestoreError("renaming the restored container to %s failed: %s" % (name, out.tail(1)))
 
 
@@ -200,8 +194,7 @@ def _give_up(unit: d.ContainerUnit, reason: str) -> None:
     unit.remove()  # docker rm -f, and the images
     if not back:
         raise RestoreError(
-            "the docker daemon went away while restoring %s (%s) and has not come back within %.0f s: once dockerd runs, remove the container with `docker rm -f %s`"
-            % (unit.name, reason, DAEMON_RETURN_SECONDS, unit.container_id[:12])
+            "the docker daemon went away while restoring %s (%s) and has not come back within %.0f s: once dockerd runs, remove the container with `docker rm -f %s`" % (unit.name, reason, DAEMON_RETURN_SECONDS, unit.container_id[:12])
         )
     left = d.leftover_pids(unit.container_id)
     if left:

@@ -62,10 +62,7 @@ class EngineEnv:
         env = cls(name, paths.engine_env_dir(name))
         if not env.python.exists():
             known = sorted(p.name for p in paths.engines_dir().iterdir()) if paths.engines_dir().is_dir() else []
-            raise RequestError(
-                "engine environment %r is not installed at %s (installed: %s): run `sparkrun coldsnap setup --engine %s`"
-                % (name, env.root, ", ".join(known) or "none", name)
-            )
+            raise RequestError("engine environment %r is not installed at %s (installed: %s): run `sparkrun coldsnap setup --engine %s`" % (name, env.root, ", ".join(known) or "none", name))
         return env
 
     @property

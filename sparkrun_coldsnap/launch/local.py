@@ -80,5 +80,3 @@ def start_unit(command: str, *, env: Mapping[str, str], log_path: Path, cwd: str
         except FileNotFoundError as err:
             raise ToolError("cannot start the engine: %s not found" % argv[0]) from err
     return StartedUnit(launcher.pid, launcher, log_path)
-
-

@@ -84,10 +84,7 @@ def put_back(images: Path, volumes: Mapping[str, str]) -> int:
         dest = root / rel
         if dest.exists():
             if dest.stat().st_size != entry["size"] or sha256_file(dest)[0] != entry["sha256"]:
-                raise RestoreError(
-                    "%s differs from the file the captured processes mapped (%s in the container): remove it so the restore can put the captured one back, or recapture"
-                    % (dest, entry["path"])
-                )
+                raise RestoreError("%s differs from the file the captured processes mapped (%s in the container): remove it so the restore can put the captured one back, or recapture" % (dest, entry["path"]))
             continue
         dest.parent.mkdir(parents=True, exist_ok=True)
         staged = dest.with_name(".%s.coldsnap-tmp" % dest.name)

@@ -82,8 +82,14 @@ def settle(rec: WorkloadRecord, capsule_present: Callable[[str], bool], drop_sta
         drop_staging(rec.warm.staging)
     return records.save(
         rec.model_copy(
-            update={"state": state, "since": now_iso(), "transition": None, "note": note, "warm": None if state != "warm" else rec.warm,
-                    "root_pid": rec.root_pid if state in ("active", "sleeping") or (state == "warm" and rec.warm and rec.warm.tree_pid) else None}
+            update={
+                "state": state,
+                "since": now_iso(),
+                "transition": None,
+                "note": note,
+                "warm": None if state != "warm" else rec.warm,
+                "root_pid": rec.root_pid if state in ("active", "sleeping") or (state == "warm" and rec.warm and rec.warm.tree_pid) else None,
+            }
         )  # fmt: skip
     )
 

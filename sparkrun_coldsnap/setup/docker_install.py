@@ -115,10 +115,7 @@ def criu_for_runc(log) -> None:
         log("installed %s, running the private CRIU in %s (runc calls criu from PATH)" % (CRIU_WRAPPER, paths.criu_prefix()))
     first = criu_tool.for_runc()
     if first is None or Path(first.path) != CRIU_WRAPPER:
-        raise ToolError(
-            "runc would run %s, not %s: put %s before it on PATH (dockerd's too), then run setup --docker again"
-            % (first.path if first else "no criu", CRIU_WRAPPER, CRIU_WRAPPER.parent)
-        )
+        raise ToolError("runc would run %s, not %s: put %s before it on PATH (dockerd's too), then run setup --docker again" % (first.path if first else "no criu", CRIU_WRAPPER, CRIU_WRAPPER.parent))
 
 
 def runc_options(log) -> None:

@@ -39,12 +39,7 @@ The quick brown fox jumps over the lazy dog while the patient operator reads the
 Numbers such as 0 1 2 3 4 5 6 7 8 9 10 100 1000 appear in logs, ports, ranks and timings.
 """
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+CHAT_TEMPLATE = "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
