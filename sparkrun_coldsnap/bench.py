@@ -89,6 +89,17 @@ def phase_bytes(cap: Capsule, receipt) -> dict[str, int]:
     return out
 
 
+#: the seconds a worker reports for the steps of its hydration from memory
+HYDRATE_STEPS = ("register_seconds", "copy_seconds")
+
+
+def hydrate_steps(notes: Mapping) -> dict[str, float]:
+    """The steps inside hydration, from the workers' reports: the slowest worker's, since
+    hydration ends when the last one does."""
+    reports = [r for r in notes.get("hydrate") or () if isinstance(r, Mapping)]
+    return {key.removesuffix("_seconds"): max(float(r[key]) for r in reports if key in r) for key in HYDRATE_STEPS if any(key in r for r in reports)}
+
+
 def summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
@@ -211,6 +222,7 @@ def document(
             # preparation and activation together: what a node with nothing prepared waits
             "total": summary([(s.prepare_seconds or 0.0) + s.ttft_seconds for s in mine]),
             "steps_median": _medians([s.steps for s in mine]),
+            "hydrate_steps_median": _medians([hydrate_steps(s.notes) for s in mine]),
             "bytes_median": {k: int(v) for k, v in _medians([s.bytes for s in mine]).items()},
         }
         floors = [s.first_token_floor for s in mine if s.first_token_floor]
@@ -258,6 +270,8 @@ def table(doc: dict) -> str:
         lines.append("%s: %.1fx faster than vanilla (medians); restore phases: %s" % (name, p["speedup_median"], parts))
         if p.get("steps_median"):
             lines.append("  inside restore: %s" % ", ".join("%s %.2fs" % kv for kv in p["steps_median"].items()))
+        if p.get("hydrate_steps_median"):
+            lines.append("  inside hydrate: %s" % ", ".join("%s %.2fs" % kv for kv in p["hydrate_steps_median"].items()))
         lines += rate_lines(p.get("rates"), p["ttft"]["median"], p.get("total", {}).get("median"))
     return "\n".join(lines)
 

@@ -61,6 +61,13 @@ def test_unknown_capsule_in_a_missing_store(tmp_path):
     assert "capsule nothing:here is not in the store" in one_line(invoke("inspect", "nothing:here", "--store", str(tmp_path / "none")))
 
 
+@pytest.mark.parametrize("value", ["x", "0", "-2"])
+def test_a_setting_that_is_not_a_number_is_one_line_naming_it(value):
+    result = invoke("status", env={"COLDSNAP_REGISTER_THREADS": value})
+    assert result.exit_code == 2
+    assert "COLDSNAP_REGISTER_THREADS=%r is not a whole number of at least 1: set one, or unset it for 4" % value in one_line(result)
+
+
 def test_an_unexpected_error_is_one_line_naming_its_traceback_log(tmp_path, monkeypatch):
     from sparkrun_coldsnap import capabilities
 

@@ -77,6 +77,7 @@ def test_pieces_are_whole_huge_pages_and_cover_the_mapping_once():
     pieces = register_pieces(total, 3 * HUGE_PAGE + 1)  # rounded down to whole huge pages
     assert [n for _, n in pieces[:-1]] == [3 * HUGE_PAGE] * 3 and pieces[-1] == (9 * HUGE_PAGE, 12345)
     assert register_pieces(total, 1)[0] == (0, HUGE_PAGE)  # never less than one huge page
+    assert register_pieces(total, total) == [(0, total)]  # one piece: the whole mapping at once
 
 
 def test_a_tensor_across_pieces_waits_for_the_piece_holding_its_last_byte():
@@ -125,3 +126,18 @@ def test_a_failed_copy_still_unregisters_every_piece():
     with pytest.raises(RuntimeError, match="illegal memory access"):
         copy_while_registering(table, 16 * MIB, register=cuda.register, unregister=cuda.unregister, copy=copy, finish=lambda: None, piece=4 * MIB, threads=4)
     assert cuda.ranges == {}
+
+
+def test_the_bench_reports_the_slowest_worker_s_registration_and_copy():
+    from sparkrun_coldsnap.bench import hydrate_steps, table
+
+    notes = {"hydrate": [{"rank": 0, "register_seconds": 0.2, "copy_seconds": 0.05}, {"rank": 1, "register_seconds": 0.3, "copy_seconds": 0.01}]}
+    assert hydrate_steps(notes) == {"register": 0.3, "copy": 0.05}
+    assert hydrate_steps({"hydrate": [{"mapped_failed": "no reader"}, {"rank": 0, "seconds": 1.0}]}) == {}  # read from disk: no such steps
+    assert hydrate_steps({}) == {}
+    one = {"median": 1.0, "min": 1.0, "max": 1.0, "n": 1}
+    doc = {
+        "vanilla_ttft": {**one, "median": 30.0, "min": 30.0, "max": 30.0},
+        "paths": {"n610 native": {"ttft": one, "prepare": one, "phases_median": {"hydrate": 0.4}, "speedup_median": 30.0, "hydrate_steps_median": hydrate_steps(notes)}},
+    }
+    assert "  inside hydrate: register 0.30s, copy 0.05s" in table(doc).splitlines()

@@ -118,6 +118,11 @@ OPTIONS = {
     # a node with nothing prepared: preparation starts the reads and goes on; the figure
     # that counts is preparation + restore ("total")
     "cold": {"COLDSNAP_CACHE_IN_BACKGROUND": "1"},
+    # the payload in memory registered with CUDA all at once before the first copy, as before
+    # the registration went in pieces beside the copies
+    "whole": {"COLDSNAP_REGISTER_PIECE_MIB": "0"},
+    # in pieces, one at a time
+    "serial": {"COLDSNAP_REGISTER_THREADS": "1"},
 }
 
 
@@ -174,7 +179,7 @@ def restores_for(args, store: CapsuleStore) -> tuple[dict, dict, dict]:
         except ColdsnapError as err:
             print("no capsule for %s: %s" % (path, err), flush=True)
             continue
-        label = (driver if weights == "auto" else "%s %s" % (driver, weights)) + {"": "", "nocache": ", no cache", "cold": ", nothing prepared"}[option]
+        label = (driver if weights == "auto" else "%s %s" % (driver, weights)) + {"": "", "nocache": ", no cache", "cold": ", nothing prepared", "whole": ", registered whole", "serial": ", registered on one thread"}[option]
         restores[label] = (res, store)
         capsules[label] = {"ref": res.capsule.ref, "digest": entry.descriptor.digest}
         environ[label] = settings.Settings.from_environ({**os.environ, **OPTIONS[option]})

@@ -23,7 +23,11 @@ from sparkrun_coldsnap.errors import ColdsnapError, coldsnap_cause
 class _Group(click.Group):
     def invoke(self, ctx: click.Context):
         # The entry: the settings are read here, once, and carried from here on.
-        settings = settings_mod.install(settings_mod.Settings.from_environ())
+        try:
+            settings = settings_mod.install(settings_mod.Settings.from_environ())
+        except ColdsnapError as err:  # a setting that cannot be read: nothing else can run
+            click.echo("Error: %s" % err.message, err=True)
+            ctx.exit(err.exit_code)
         if (ctx.params or {}).get("debug"):
             _debug_on()
         try:

@@ -19,11 +19,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from sparkrun_coldsnap.errors import RequestError
+
 OFF = ("0", "off", "no", "false")
 
 
 def _path(value: str) -> Path:
     return Path(value).expanduser()
+
+
+def _whole_number(env: Mapping[str, str], name: str, default: int, *, least: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = least - 1
+    if value < least:
+        raise RequestError("%s=%r is not a whole number of at least %d: set one, or unset it for %d" % (name, raw, least, default))
+    return value
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,11 @@ class Settings:
     lazy_pages: bool = True
     #: ``COLDSNAP_N610_LAZY_PAGES``: memory on demand for ``n610`` restores (off: slower on the GPU).
     n610_lazy_pages: bool = False
+    #: ``COLDSNAP_REGISTER_PIECE_MIB``: a native payload in memory is registered with CUDA in
+    #: pieces of this many MiB while the pieces before are copied (0: all of it at once).
+    register_piece_mib: int = 1024
+    #: ``COLDSNAP_REGISTER_THREADS``: how many pieces are registered at the same time.
+    register_threads: int = 4
     #: ``COLDSNAP_TEMPLATE_PRELOAD``: modules a template boundary imports (empty: the adapter's).
     template_preload: tuple[str, ...] = ()
     #: ``COLDSNAP_CRIU``: a CRIU command line to try before the system's and the private one.
@@ -98,6 +118,8 @@ class Settings:
             zero_pages=env.get("COLDSNAP_ZERO_PAGES", "leave-out").lower() not in ("keep", *OFF),
             lazy_pages=env.get("COLDSNAP_LAZY_PAGES", "1") != "0",
             n610_lazy_pages=env.get("COLDSNAP_N610_LAZY_PAGES") == "1",
+            register_piece_mib=_whole_number(env, "COLDSNAP_REGISTER_PIECE_MIB", 1024, least=0),
+            register_threads=_whole_number(env, "COLDSNAP_REGISTER_THREADS", 4, least=1),
             template_preload=tuple(m for m in env.get("COLDSNAP_TEMPLATE_PRELOAD", "").split(",") if m),
             criu=tuple(env.get("COLDSNAP_CRIU", "").split()),
             cuda_python=env.get("COLDSNAP_CUDA_PYTHON") or None,

@@ -21,6 +21,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.engines.base import Endpoint, EngineAdapter, HydrationResult, has_flag, post
 from sparkrun_coldsnap.errors import EngineError
 from sparkrun_coldsnap.hookspecs import hookimpl
@@ -96,7 +97,9 @@ class VllmAdapter(EngineAdapter):
         capsule whose engine predates that reader) from the payload on disk."""
         if memory_dir:
             try:
-                return self._rpc(endpoint, "coldsnap_load_native_mapped", memory_dir)
+                current = settings.current()
+                piece = current.register_piece_mib << 20  # 0: the whole payload in one piece
+                return self._rpc(endpoint, "coldsnap_load_native_mapped", memory_dir, piece, current.register_threads)
             except EngineError as err:
                 fallback = self._rpc(endpoint, "coldsnap_load_native", native_dir, cached)
                 return ({"mapped_failed": str(err)[:300]}, *fallback)

@@ -31,10 +31,10 @@ CHUNK = 64 << 20
 # link busy, on the cores the host has.
 READERS = max(8, min(16, os.cpu_count() or 8))
 HUGE_PAGE = 2 << 20
-# The mapping in memory is registered with CUDA in pieces while earlier pieces are copied;
-# the environment may change both for a measurement.
-REGISTER_PIECE = int(os.environ.get("COLDSNAP_REGISTER_PIECE", str(1 << 30)))
-REGISTER_THREADS = int(os.environ.get("COLDSNAP_REGISTER_THREADS", "4"))
+# The mapping in memory is registered with CUDA in pieces while earlier pieces are copied
+# (the plugin passes its settings; these are for a caller that passes none).
+REGISTER_PIECE = 1 << 30
+REGISTER_THREADS = 4
 
 
 def payload_names(rank: int) -> tuple[str, str]:
@@ -73,8 +73,9 @@ def copies_for(chunk_off: int, chunk_len: int, tensors: list[dict[str, Any]], of
 def register_pieces(total: int, piece: int) -> list[tuple[int, int]]:
     """The mapping cut into pieces of *piece* bytes (a multiple of 2 MiB: whole huge pages,
     so no page is registered twice), the last one shorter."""
-    piece = max(HUGE_PAGE, piece // HUGE_PAGE * HUGE_PAGE)
-    return chunks(total, piece)
+    if piece >= total:
+        return [(0, total)] if total else []
+    return chunks(total, max(HUGE_PAGE, piece // HUGE_PAGE * HUGE_PAGE))
 
 
 def tensors_by_piece(tensors: list[dict[str, Any]], pieces: list[tuple[int, int]]) -> list[list[int]]:
@@ -212,12 +213,14 @@ class NativeWeights:
             raise RuntimeError("native payload does not fit this model (payload %r, model %r): capture again" % diff)
         return index, [t for _, t in held]
 
-    def coldsnap_load_native_mapped(self, directory: str) -> dict[str, Any]:
+    def coldsnap_load_native_mapped(self, directory: str, piece: int = REGISTER_PIECE, threads: int = REGISTER_THREADS) -> dict[str, Any]:
         """Fill the tensors from DIRECTORY/rank-N.bin held in memory (preparation copied it to a
         memory file system with huge pages): the file is mapped, the mapping registered with CUDA
         (page-locked in place, no copy through bounce buffers), and every tensor copied straight
         from it by the GPU's copy engine, at the bus's speed. Huge pages keep the registration
-        cheap: a few thousand pages to lock, not millions."""
+        cheap: a few thousand pages to lock, not millions. The registration goes in pieces of
+        *piece* bytes (0: one piece), *threads* at a time, each piece's copies queued as soon as
+        it is registered."""
         import mmap
 
         import torch
@@ -257,7 +260,7 @@ class NativeWeights:
 
                 report = copy_while_registering(
                     table, total, register=register, unregister=unregister, copy=copy,
-                    finish=torch.cuda.current_stream().synchronize, piece=REGISTER_PIECE, threads=REGISTER_THREADS,
+                    finish=torch.cuda.current_stream().synchronize, piece=piece or total, threads=threads,
                 )  # fmt: skip
             else:
                 t_copy = time.monotonic()
