@@ -93,10 +93,11 @@ def test_export_seal_and_read_back_replace_the_served_weights(engine, use_settin
     for source, same in ((damaged, False), (d, True)):
         staged = weights_memory.copy_into_memory(sorted(source.iterdir()))
         try:
-            mapped = adapter._rpc(endpoint, "coldsnap_load_native_mapped", str(staged.directory))
+            # as hydration calls it, with the registration's settings (no GPU here: nothing to register)
+            mapped = adapter._load_native(endpoint, str(source), False, str(staged.directory))
         finally:
             staged.release()
-        assert mapped[0]["mapped"] is True and mapped[0]["bytes"] == reports[0]["bytes"]
+        assert mapped[0]["mapped"] is True and mapped[0]["bytes"] == reports[0]["bytes"] and mapped[0]["pieces"] == 0, mapped
         assert (reply(adapter, endpoint) == before) is same
 
     # The same bytes seal to the same address; a damaged payload is refused by digest.

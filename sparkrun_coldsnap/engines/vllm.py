@@ -97,13 +97,22 @@ class VllmAdapter(EngineAdapter):
         capsule whose engine predates that reader) from the payload on disk."""
         if memory_dir:
             try:
-                current = settings.current()
-                piece = current.register_piece_mib << 20  # 0: the whole payload in one piece
-                return self._rpc(endpoint, "coldsnap_load_native_mapped", memory_dir, piece, current.register_threads)
+                return self._load_mapped(endpoint, memory_dir)
             except EngineError as err:
                 fallback = self._rpc(endpoint, "coldsnap_load_native", native_dir, cached)
                 return ({"mapped_failed": str(err)[:300]}, *fallback)
         return self._rpc(endpoint, "coldsnap_load_native", native_dir, cached)
+
+    def _load_mapped(self, endpoint: Endpoint, memory_dir: str) -> tuple[dict[str, Any], ...]:
+        current = settings.current()
+        piece = current.register_piece_mib << 20  # 0: the whole payload in one piece
+        try:
+            return self._rpc(endpoint, "coldsnap_load_native_mapped", memory_dir, piece, current.register_threads)
+        except EngineError as err:
+            if "positional argument" not in str(err):
+                raise
+            # a capsule whose reader predates the registration in pieces takes the directory only
+            return self._rpc(endpoint, "coldsnap_load_native_mapped", memory_dir)
 
     def export_native(self, endpoint: Endpoint, directory: str) -> tuple[dict[str, Any], ...]:
         return self._rpc(endpoint, "coldsnap_export_native", directory)
