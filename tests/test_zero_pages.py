@@ -21,7 +21,7 @@ from registry_fixtures import free_port
 
 from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.drivers import criu_images as img
-from sparkrun_coldsnap.drivers import criu_tree, zero_pages
+from sparkrun_coldsnap.drivers import criu_tree, image_contents, zero_pages
 from sparkrun_coldsnap.drivers.cpu import CpuDriver
 from sparkrun_coldsnap.drivers.criu_tool import Criu
 from sparkrun_coldsnap.host.process_tree import kill_tree
@@ -105,6 +105,25 @@ def test_the_rewrite_is_needed_for_the_count_and_keeps_every_other_page(dumped, 
         kill_tree(pid)
     assert after == before
     assert json.dumps(after["parent"]["file"]) != json.dumps(after["parent"]["anon"])
+
+
+def test_what_the_images_still_hold_is_told_area_by_area(dumped):
+    images, _, _, _ = dumped
+    zero_pages.leave_out_zero_pages(images)
+    held = image_contents.held_by_area(images)
+    assert "skipped" not in held and len(held["processes"]) >= 2
+    listed = pages_listed(images)
+    for proc in held["processes"]:
+        # every byte a process's page map lists is counted once, in one of its areas
+        assert proc["bytes"] == listed["pagemap-%d.img" % proc["pid"]] * img.PAGE == sum(proc["by_kind"].values()) + proc.get("outside_areas", 0)
+        assert [a["bytes"] for a in proc["largest"]] == sorted((a["bytes"] for a in proc["largest"]), reverse=True)
+        assert all(0 < a["bytes"] <= a["size"] for a in proc["largest"])  # an entry across two areas is split between them
+    assert [p["bytes"] for p in held["processes"]] == sorted((p["bytes"] for p in held["processes"]), reverse=True)
+    # The parent's pattern area: PAGES pages, one in three kept (the data), anonymous and writable.
+    area = [a for p in held["processes"] for a in p["largest"] if a["size"] == PAGES * img.PAGE]
+    assert any(a["kind"] == "anonymous" and a["prot"] == "rw-" and a["bytes"] == (PAGES + 2) // 3 * img.PAGE for a in area), area
+    # The zeros written over the private file mapping stay, as file pages a process wrote to.
+    assert any(p["by_kind"].get("file, private", 0) >= 4 * img.PAGE for p in held["processes"])
 
 
 def test_an_image_it_cannot_read_is_left_as_it_is(dumped):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sparkrun_coldsnap.drivers import zero_pages
+from sparkrun_coldsnap.drivers import image_contents, zero_pages
 from sparkrun_coldsnap.drivers.base import SnapshotDriver
 from sparkrun_coldsnap.drivers.criu_tool import Criu
 
@@ -19,4 +19,5 @@ class CriuDriver(SnapshotDriver):
     def compact_images(self, images: Path) -> dict[str, Any] | None:
         # Zero pages of private memory come back as zeros without being in the images:
         # on GPUs the host copy of the device memory the engine still held is mostly zeros.
-        return zero_pages.leave_out_zero_pages(images).to_json()
+        # What is left, area by area, says where the restore's bytes come from.
+        return {**zero_pages.leave_out_zero_pages(images).to_json(), "held": image_contents.held_by_area(images)}
