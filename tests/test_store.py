@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
+import zstandard
 
-from sparkrun_coldsnap.capsule import gc, media
+from sparkrun_coldsnap.capsule import gc, media, zstd_frames
 from sparkrun_coldsnap.capsule.pack import pack_unit, unpack_layer
 from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor
 from sparkrun_coldsnap.errors import IntegrityError, NotFoundError, StoreError
@@ -89,7 +91,7 @@ def test_pack_and_unpack_round_trip_sparse(tmp_path):
     images = _images(tmp_path)
     layers = pack_unit(images, "solo", tmp_path)
     assert {l.annotations[media.A_PART] for l in layers} == {"state", "pages"}
-    assert all(l.media_type == media.LAYER_TAR_ZSTD for l in layers)  # zeros: compression pays
+    assert all(l.media_type == media.LAYER_TAR_ZSTD_FRAMES for l in layers)  # zeros: compression pays
     for l in layers:
         s.publish_blob_file(l.path, l.digest, l.size)
     out = tmp_path / "out"
@@ -101,6 +103,75 @@ def test_pack_and_unpack_round_trip_sparse(tmp_path):
             assert q.read_bytes() == p.read_bytes()
     pages = out / "solo" / "pages-1.img"
     assert pages.stat().st_blocks * 512 < pages.stat().st_size // 4  # holes kept
+
+
+def _published(tmp_path: Path, layers) -> CapsuleStore:
+    s = CapsuleStore(tmp_path / "s").init()
+    for l in layers:
+        s.publish_blob_file(l.path, l.digest, l.size)
+    return s
+
+
+def _unpacked_equal(images: Path, out: Path) -> None:
+    for p in images.rglob("*"):
+        if p.is_file():
+            assert (out / "solo" / p.relative_to(images)).read_bytes() == p.read_bytes(), p
+
+
+def test_a_layer_of_many_frames_unpacks_byte_for_byte_with_its_holes(tmp_path, monkeypatch):
+    monkeypatch.setattr(zstd_frames, "FRAME", 1 << 20)  # many frames, decompressed and written several at once
+    images = tmp_path / "images"
+    images.mkdir()
+    with open(images / "pages-1.img", "wb") as f:
+        for i in range(24):  # data and zeros in turns, blocks that cross the frames' edges
+            f.write(os.urandom(300_000) if i % 3 else bytes(1 << 20))
+    (images / "core-1.img").write_bytes(b"core" * 100)
+    layers = pack_unit(images, "solo", tmp_path)
+    pages = next(l for l in layers if l.annotations[media.A_PART] == "pages")
+    sizes = [int(x) for x in pages.annotations[media.A_FRAMES].split(",")]
+    assert len(sizes) > 8 and sum(sizes) == pages.size
+    s = _published(tmp_path, layers)
+    out = tmp_path / "out"
+    for l in layers:
+        unpack_layer(s, l.descriptor(), out)
+    _unpacked_equal(images, out)
+    assert (out / "solo" / "pages-1.img").stat().st_blocks * 512 < (images / "pages-1.img").stat().st_size  # zero blocks stay holes
+
+
+def test_a_layer_packed_as_one_frame_before_frames_still_unpacks(tmp_path):
+    images = _images(tmp_path)
+    blob = tmp_path / "old.tar.zst"
+    with open(blob, "wb") as raw, zstandard.ZstdCompressor(level=3).stream_writer(raw, closefd=False) as z, tarfile.open(fileobj=z, mode="w|") as tar:
+        for p in sorted(images.rglob("*")):
+            if p.is_file():
+                tar.add(str(p), arcname="solo/%s" % p.relative_to(images).as_posix())
+    data = blob.read_bytes()
+    s = CapsuleStore(tmp_path / "s").init()
+    desc = s.put_bytes(data, media.LAYER_TAR_ZSTD)
+    unpack_layer(s, desc, tmp_path / "out")
+    _unpacked_equal(images, tmp_path / "out")
+
+
+def _framed_pages(tmp_path: Path):
+    layers = pack_unit(_images(tmp_path), "solo", tmp_path)
+    return _published(tmp_path, layers), next(l for l in layers if l.annotations[media.A_PART] == "pages")
+
+
+@pytest.mark.parametrize("table", ["", "12,x", "1,2,3", "-5,10"])
+def test_a_frame_table_that_does_not_add_up_is_refused_naming_the_layer(tmp_path, table):
+    s, pages = _framed_pages(tmp_path)
+    desc = Descriptor(pages.media_type, pages.digest, pages.size, {**pages.annotations, media.A_FRAMES: table})
+    with pytest.raises(IntegrityError, match=r"layer sha256:[0-9a-f]{12} has no usable frame table .*: pull or capture it again"):
+        unpack_layer(s, desc, tmp_path / "out")
+
+
+def test_a_frame_that_claims_more_than_a_frame_holds_is_refused(tmp_path):
+    huge = zstandard.ZstdCompressor(write_content_size=True).compress(bytes(zstd_frames.MAX_FRAME + 4096))
+    s = CapsuleStore(tmp_path / "s").init()
+    desc = s.put_bytes(huge, media.LAYER_TAR_ZSTD_FRAMES)
+    desc = Descriptor(desc.media_type, desc.digest, desc.size, {media.A_FRAMES: str(desc.size)})
+    with pytest.raises(IntegrityError, match="is not a readable tar\\+zstd: a frame declares"):
+        unpack_layer(s, desc, tmp_path / "out")
 
 
 def test_incompressible_layers_stay_plain_tar(tmp_path):

@@ -6,7 +6,10 @@ ARTIFACT_TYPE = "application/vnd.sparkrun.coldsnap.capsule.v1"
 CONFIG_MEDIA_TYPE = "application/vnd.sparkrun.coldsnap.capsule.config.v1+json"
 LAYER_TAR = "application/vnd.sparkrun.coldsnap.images.v1.tar"
 LAYER_TAR_ZSTD = "application/vnd.sparkrun.coldsnap.images.v1.tar+zstd"
-LAYER_TYPES = (LAYER_TAR, LAYER_TAR_ZSTD)
+# The tar compressed as independent zstd frames (their sizes in A_FRAMES), so a restore can
+# decompress several at once; a reader that does not know frames refuses it by its type.
+LAYER_TAR_ZSTD_FRAMES = "application/vnd.sparkrun.coldsnap.images.framed.v1.tar+zstd"
+LAYER_TYPES = (LAYER_TAR, LAYER_TAR_ZSTD, LAYER_TAR_ZSTD_FRAMES)
 
 # Weights published as their own artifact (referenced from a capsule, never inside it).
 WEIGHTS_ARTIFACT_TYPE = "application/vnd.sparkrun.coldsnap.weights.v1"
@@ -42,5 +45,6 @@ A_REQUEST = PREFIX + ".request"
 A_UNIT = PREFIX + ".unit"
 A_PART = PREFIX + ".part"
 A_UNPACKED_SIZE = PREFIX + ".unpacked-size"
+A_FRAMES = PREFIX + ".zstd-frames"  # comma-separated compressed sizes of the frames, in order
 A_WEIGHTS = PREFIX + ".weights"
 A_NATIVE = PREFIX + ".native-payload"

@@ -11,27 +11,33 @@ blob digest and writes zero blocks as holes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import tarfile
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import zstandard
 
 from sparkrun_coldsnap.capsule import media
 from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor
+from sparkrun_coldsnap.capsule.zstd_frames import FramedReader, FramedWriter, default_threads, frame_sizes
 from sparkrun_coldsnap.digests import short
 from sparkrun_coldsnap.errors import IntegrityError, StoreError
 from sparkrun_coldsnap.host.atomic import explain_os_error
-from sparkrun_coldsnap.host.sparse import write_sparse
+from sparkrun_coldsnap.host.sparse import write_sparse_parallel
 
 SAMPLE = 4 << 20
 PAYS_RATIO = 0.8
 ZSTD_LEVEL = 3
+# tarfile's stream reads and writes in pieces of this size (its default, 10 KiB, costs a
+# call into the decompressor per piece)
+TAR_BUFFER = 1 << 20
 
 Tick = Callable[[int], None]
 
@@ -75,6 +81,9 @@ class _CountingReader:
             self.tick(len(data))
         return data
 
+    def close(self) -> None:
+        pass  # the blob is its owner's to close
+
 
 def compression_pays(files: list[Path]) -> bool:
     """Compress a few samples of the largest files; does zstd save >= 20%?"""
@@ -110,12 +119,9 @@ def pack_unit(images: Path, unit: str, out_dir: Path, *, tick: Tick | None = Non
         try:
             with open(out, "wb") as raw:
                 hw = _HashingWriter(raw)
-                if compress:
-                    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1, write_content_size=False)
-                    stream: BinaryIO = cctx.stream_writer(hw, closefd=False)  # type: ignore[arg-type]
-                else:
-                    stream = hw  # type: ignore[assignment]
-                with tarfile.open(fileobj=stream, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+                framed = FramedWriter(hw, level=ZSTD_LEVEL) if compress else None  # type: ignore[arg-type]
+                stream: BinaryIO = framed if framed is not None else hw  # type: ignore[assignment]
+                with tarfile.open(fileobj=stream, mode="w|", format=tarfile.PAX_FORMAT, bufsize=TAR_BUFFER) as tar:
                     for path in files:
                         arcname = "%s/%s" % (unit, path.relative_to(images).as_posix())
                         info = tar.gettarinfo(str(path), arcname=arcname)
@@ -124,8 +130,8 @@ def pack_unit(images: Path, unit: str, out_dir: Path, *, tick: Tick | None = Non
                         info.mtime = 0
                         with open(path, "rb") as f:
                             tar.addfile(info, _CountingReader(f, tick))
-                if compress:
-                    stream.close()
+                if framed is not None:
+                    framed.close()
                 raw.flush()
                 os.fsync(raw.fileno())
         except OSError as err:
@@ -136,12 +142,13 @@ def pack_unit(images: Path, unit: str, out_dir: Path, *, tick: Tick | None = Non
                 path=out,
                 digest="sha256:" + hw.h.hexdigest(),
                 size=hw.size,
-                media_type=media.LAYER_TAR_ZSTD if compress else media.LAYER_TAR,
+                media_type=media.LAYER_TAR_ZSTD_FRAMES if framed is not None else media.LAYER_TAR,
                 annotations={
                     media.A_TITLE: out.name,
                     media.A_UNIT: unit,
                     media.A_PART: part,
                     media.A_UNPACKED_SIZE: str(unpacked),
+                    **({media.A_FRAMES: ",".join(map(str, framed.sizes))} if framed is not None else {}),
                 },
             )
         )
@@ -169,6 +176,15 @@ def _declared_size(desc: Descriptor) -> int | None:
         raise IntegrityError("layer %s declares an unpacked size %r that is not a number" % (desc.digest, value)) from None
 
 
+def _decompressed(desc: Descriptor, blob: BinaryIO) -> Any:
+    """The layer's tar stream, read from *blob*; closed once the tar is read (the blob stays open)."""
+    if desc.media_type == media.LAYER_TAR_ZSTD_FRAMES:
+        return FramedReader(blob, frame_sizes((desc.annotations or {}).get(media.A_FRAMES), desc.size, short(desc.digest)))
+    if desc.media_type == media.LAYER_TAR_ZSTD:  # one frame: capsules packed before the frames
+        return zstandard.ZstdDecompressor().stream_reader(blob, closefd=False)
+    return blob
+
+
 def unpack_layer(store: CapsuleStore, desc: Descriptor, dest: Path, *, tick: Tick | None = None) -> int:
     """Verify and unpack one layer into *dest*; returns bytes written."""
     if desc.media_type not in media.LAYER_TYPES:
@@ -185,9 +201,9 @@ def unpack_layer(store: CapsuleStore, desc: Descriptor, dest: Path, *, tick: Tic
     members_total = 0
     with store.open_blob(desc) as blob:
         counted = _CountingReader(blob, tick)  # type: ignore[arg-type]
-        source: BinaryIO = zstandard.ZstdDecompressor().stream_reader(counted, closefd=False) if desc.media_type == media.LAYER_TAR_ZSTD else counted  # type: ignore[arg-type, assignment]
         try:
-            with tarfile.open(fileobj=source, mode="r|") as tar:
+            source = _decompressed(desc, counted)  # type: ignore[arg-type]
+            with contextlib.closing(source), ThreadPoolExecutor(default_threads()) as writers, tarfile.open(fileobj=source, mode="r|", bufsize=TAR_BUFFER) as tar:
                 for member in tar:
                     target = _safe_member(member, dest)
                     members_total += max(member.size, 0)
@@ -202,13 +218,15 @@ def unpack_layer(store: CapsuleStore, desc: Descriptor, dest: Path, *, tick: Tic
                     assert data is not None
                     # A new file, never through a link: a name given twice or a planted link is refused.
                     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-                    with os.fdopen(fd, "wb") as out:
-                        written += write_sparse(data, out, member.size)  # type: ignore[arg-type]
+                    try:
+                        written += write_sparse_parallel(data, fd, member.size, writers)  # type: ignore[arg-type]
+                    finally:
+                        os.close(fd)
                     os.chmod(target, member.mode & 0o755)  # no setuid/setgid, nothing for others to write
         except FileExistsError as err:
             raise IntegrityError("layer %s names %s twice: refusing to unpack it" % (short(desc.digest), err.filename)) from err
         except (tarfile.TarError, zstandard.ZstdError, EOFError) as err:
             blob.verify_rest()  # a damaged blob is the likelier story: say so if it is
-            raise IntegrityError("layer %s is not a readable tar%s: %s" % (desc.digest, "+zstd" if desc.media_type == media.LAYER_TAR_ZSTD else "", err)) from err
+            raise IntegrityError("layer %s is not a readable tar%s: %s" % (desc.digest, "" if desc.media_type == media.LAYER_TAR else "+zstd", err)) from err
         blob.verify_rest()
     return written
