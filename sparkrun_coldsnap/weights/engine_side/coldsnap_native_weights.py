@@ -244,8 +244,12 @@ class NativeWeights:
             if on_gpu:
                 cudart = torch.cuda.cudart()
                 base = host.data_ptr()
+                device = next(t.device for t in dests if t.is_cuda)
 
                 def register(off: int, n: int) -> None:
+                    # A new thread's current device is GPU 0; this worker's may be another
+                    # (tensor-parallel ranks see every GPU), and its context is the one to pin in.
+                    torch.cuda.set_device(device)
                     err = cudart.cudaHostRegister(base + off, n, 0)
                     if int(err) != 0:
                         raise RuntimeError("cudaHostRegister of %d bytes at offset %d failed (error %d)" % (n, off, int(err)))
