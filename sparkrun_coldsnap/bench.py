@@ -90,7 +90,7 @@ def phase_bytes(cap: Capsule, receipt) -> dict[str, int]:
 
 
 #: the seconds a worker reports for the steps of its hydration from memory
-HYDRATE_STEPS = ("register_seconds", "copy_seconds")
+HYDRATE_STEPS = ("open_seconds", "register_seconds", "copy_seconds")
 
 
 def hydrate_steps(notes: Mapping) -> dict[str, float]:
@@ -138,7 +138,7 @@ def run_paths(
                     name, i, r.ttft_seconds or 0.0, prepare_seconds=prepared.prepare_seconds, phases=phases,
                     validated=bool(r.receipt.validation and r.receipt.validation.passed), steps=clock.durations(restore_end),
                     bytes=phase_bytes(prepared.capsule, r.receipt), first_token_floor=prepared.capsule.config.validation.request_ttft_seconds,
-                    notes={k: r.receipt.details[k] for k in ("hydrate", "weights_memory", "weights_cache", "files_cache") if k in r.receipt.details},
+                    notes={k: r.receipt.details[k] for k in ("hydrate", "hydrate_release", "weights_memory", "weights_cache", "files_cache") if k in r.receipt.details},
                 )
             )  # fmt: skip
             progress.note("restore (%s): first token after %.2f s (prepared in %.2f s before the clock)" % (name, r.ttft_seconds or 0, prepared.prepare_seconds))

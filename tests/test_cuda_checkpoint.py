@@ -50,6 +50,18 @@ class FakeCheckpointApi:
     def unlock(self, pid):
         self._step("unlock", pid, "locked", "running")
 
+    def restore_many(self, pids, pairs, *, parallel):
+        # The helper's contract (tested on the helper itself below): every restore before any
+        # unlock; the first failure names its process and step, and nothing is unlocked after it.
+        self.parallel = parallel
+        for op in ("restore", "unlock"):
+            for pid in pids:
+                try:
+                    getattr(self, op)(pid, *((pairs,) if op == "restore" else ()))
+                except cc.CudaCallError as err:
+                    raise cc.CudaCallError(str(err), pid=pid, op=op) from err
+        return {pid: 0.0 for pid in pids}
+
     def uuids(self):
         return ["GPU-00000000-0000-0000-0000-000000000001"]
 
@@ -169,3 +181,92 @@ def test_captured_pids_must_be_free(tmp_path):
     problems = pid_problems((os.getpid(),))
     assert problems and "captured PID %d is taken by" % os.getpid() in problems[0]
     assert pid_problems((2**22 + 12345,)) == []
+
+
+# -- the helper's own call over several processes ----------------------------------------
+
+
+class RecordingDriver:
+    """FAKE driver bindings for the helper's ``restore_many``: each restore takes *seconds* (the
+    restored process's own thread does the work; the call waits), and every call is logged with
+    when it began and ended. Restore and unlock keep the driver's order rule: a process is
+    unlocked only once restored."""
+
+    def __init__(self, seconds=0.2, fail=None):
+        import threading
+
+        self.seconds, self.fail, self.log, self.lock = seconds, fail or {}, [], threading.Lock()
+        self.states = {}
+
+    def _call(self, op, pid, want, to):
+        import time
+
+        t = time.monotonic()
+        if op == "restore":
+            time.sleep(self.seconds)
+        with self.lock:
+            self.log.append((op, pid, t, time.monotonic()))
+            if (op, pid) in self.fail:
+                return (self.fail[(op, pid)],)
+            if self.states.get(pid, "checkpointed") != want:
+                return (NamedError("CUDA_ERROR_ILLEGAL_STATE"),)
+            self.states[pid] = to
+        return (0,)
+
+    def cuCheckpointProcessRestore(self, pid, args):
+        return self._call("restore", pid, "checkpointed", "locked")
+
+    def cuCheckpointProcessUnlock(self, pid, args):
+        return self._call("unlock", pid, "locked", "running")
+
+
+class NamedError(str):
+    """A CUresult-like error: non-zero, with a name."""
+
+    name = property(lambda self: str(self))
+
+    def __int__(self):
+        return 1
+
+
+def helper_with(driver):
+    from sparkrun_coldsnap.drivers import cuda_helper
+
+    h = cuda_helper.Helper.__new__(cuda_helper.Helper)
+    h.d = driver
+    return h
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_the_helper_restores_every_process_before_unlocking_any(parallel):
+    driver = RecordingDriver(seconds=0.2)
+    answer = helper_with(driver).restore_many({"pids": [11, 12, 13], "pairs": [], "parallel": parallel})
+    restores = [e for e in driver.log if e[0] == "restore"]
+    unlocks = [e for e in driver.log if e[0] == "unlock"]
+    assert sorted(e[1] for e in restores) == sorted(e[1] for e in unlocks) == [11, 12, 13]
+    assert max(e[3] for e in restores) <= min(e[2] for e in unlocks)  # every restore ended before the first unlock began
+    assert set(driver.states.values()) == {"running"} and sorted(answer["seconds"]) == ["11", "12", "13"]
+    overlapped = max(e[2] for e in restores) < min(e[3] for e in restores)  # all three under way at one moment
+    assert overlapped == parallel
+
+
+def test_a_failed_restore_among_several_names_its_process_and_unlocks_none():
+    from sparkrun_coldsnap.drivers import cuda_helper
+
+    driver = RecordingDriver(seconds=0.05, fail={("restore", 12): NamedError("CUDA_ERROR_OUT_OF_MEMORY")})
+    with pytest.raises(cuda_helper.CallFailed) as raised:
+        helper_with(driver).restore_many({"pids": [11, 12, 13], "parallel": True})
+    assert str(raised.value) == "CUDA_ERROR_OUT_OF_MEMORY" and raised.value.fields == {"pid": 12, "op": "restore"}
+    assert not [e for e in driver.log if e[0] == "unlock"]
+
+
+def test_restores_go_in_parallel_unless_the_settings_say_serial(use_settings):
+    use_settings()
+    api = FakeCheckpointApi(PIDS)
+    cc.checkpoint_all(api, PIDS)
+    cc.restore_all(api, PIDS)
+    assert api.parallel is True
+    use_settings(cuda_restore_parallel=False)
+    cc.checkpoint_all(api, PIDS)
+    cc.restore_all(api, PIDS)
+    assert api.parallel is False

@@ -98,7 +98,9 @@ def test_export_seal_and_read_back_replace_the_served_weights(engine, use_settin
         finally:
             staged.release()
         assert mapped[0]["mapped"] is True and mapped[0]["bytes"] == reports[0]["bytes"] and mapped[0]["pieces"] == 0, mapped
+        assert mapped[0]["kept"] is False  # nothing registered on the CPU: nothing kept for later
         assert (reply(adapter, endpoint) == before) is same
+    assert adapter._rpc(endpoint, "coldsnap_release_mapped")[0]["released_bytes"] == 0
 
     # The same bytes seal to the same address; a damaged payload is refused by digest.
     again, _ = native_payload.export(adapter, endpoint)
@@ -158,3 +160,32 @@ def test_inspect_says_whether_the_native_payload_is_here(use_settings, tmp_path)
     shutil.rmtree(native_payload.directory(record))
     out = CliRunner().invoke(inspect, ["withnative", "--store", str(store.root)])
     assert "not on this host (restores take recovery)" in out.output
+
+
+def test_the_mapping_is_let_go_after_validation_and_a_failure_there_is_recorded_not_raised():
+    from types import SimpleNamespace
+
+    from sparkrun_coldsnap.controller.restore import _after_hydration
+    from sparkrun_coldsnap.documents.receipts import ReceiptBuilder
+    from sparkrun_coldsnap.engines.base import HydrationResult
+    from sparkrun_coldsnap.engines.vllm import VllmAdapter
+
+    calls: list[str] = []
+
+    class Vllm(VllmAdapter):
+        def _rpc(self, endpoint, method, *args):
+            calls.append(method)
+            raise EngineError("vLLM %s failed: HTTP 500" % method)
+
+    endpoint = Endpoint("http://127.0.0.1:1", "m")
+    released: list[bool] = []
+    choice = SimpleNamespace(release_memory=lambda: released.append(True))
+    # Nothing kept (a reader that could not keep it, or SGLang): no call, the copy in memory still goes.
+    rb = ReceiptBuilder("restore", request_sha256="0" * 64)
+    _after_hydration(SimpleNamespace(adapter=Vllm()), endpoint, HydrationResult("native", 1.0, ({"kept": False},)), choice, rb)  # type: ignore[arg-type]
+    assert calls == [] and released == [True] and "hydrate_release_error" not in rb.details
+    # Kept: the workers are asked to let go; their failure is recorded and the restore stands.
+    _after_hydration(SimpleNamespace(adapter=Vllm()), endpoint, HydrationResult("native", 1.0, ({"kept": True},)), choice, rb)  # type: ignore[arg-type]
+    assert calls == ["coldsnap_release_mapped"] and released == [True, True]
+    assert rb.details["hydrate_release_error"] == "vLLM coldsnap_release_mapped failed: HTTP 500"
+    assert [p.name for p in rb.phases] == ["hydrate.release", "hydrate.release"]

@@ -1,8 +1,9 @@
 """The weights' hydration from memory registers the mapping with CUDA in pieces while the
 pieces already registered are copied. No GPU here: the CUDA calls are FAKE callables that
 keep the driver's rules the pipeline relies on (a range is registered once, a copy reads
-only registered memory, whatever was registered is unregistered), checked as they are
-called. The real calls run in the engine's worker on the GPU machine."""
+only registered memory and only within one registration: on the H200 a copy across two
+was refused with "invalid argument"; whatever was registered is unregistered), checked as
+they are called. The real calls run in the engine's worker on the GPU machine."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from sparkrun_coldsnap.weights.engine_side.coldsnap_native_weights import (
     copy_while_registering,
     layout,
     register_pieces,
-    tensors_by_piece,
+    segments_by_piece,
 )
 
 MIB = 1 << 20
@@ -50,13 +51,10 @@ class FakeCudaHost:
             self.unregistered.append(off)
 
     def covered(self, start: int, end: int) -> bool:
+        """Whether [start, end) lies inside one registration: the driver refuses a copy from
+        registered memory that runs into the next registration."""
         with self.lock:
-            spans = sorted(self.ranges.items())
-        at = start
-        for off, n in spans:
-            if off <= at < off + n:
-                at = off + n
-        return at >= end
+            return any(off <= start and end <= off + n for off, n in self.ranges.items())
 
 
 def tensors(sizes: list[int]) -> list[dict]:
@@ -64,10 +62,11 @@ def tensors(sizes: list[int]) -> list[dict]:
 
 
 def run(table: list[dict], total: int, cuda: FakeCudaHost, *, piece: int, threads: int) -> dict:
-    def copy(i: int) -> None:
+    def copy(i: int, a: int, b: int) -> None:
         t = table[i]
-        assert cuda.covered(t["offset"], t["offset"] + t["nbytes"]), "tensor %d copied from memory not yet registered" % i
-        cuda.copied.append(i)
+        assert t["offset"] <= a < b <= t["offset"] + t["nbytes"], "bytes %d-%d are not tensor %d's" % (a, b, i)
+        assert cuda.covered(a, b), "tensor %d copied from memory not inside one registration" % i
+        cuda.copied.append((i, a, b))
 
     return copy_while_registering(table, total, register=cuda.register, unregister=cuda.unregister, copy=copy, finish=lambda: None, piece=piece, threads=threads)
 
@@ -80,10 +79,14 @@ def test_pieces_are_whole_huge_pages_and_cover_the_mapping_once():
     assert register_pieces(total, total) == [(0, total)]  # one piece: the whole mapping at once
 
 
-def test_a_tensor_across_pieces_waits_for_the_piece_holding_its_last_byte():
+def test_a_tensor_across_pieces_is_copied_in_parts_each_inside_one_piece():
     table = tensors([3 * MIB, 2 * MIB, 6 * MIB, 1])  # the second crosses 4 MiB, the third 8 MiB
     pieces = register_pieces(11 * MIB + 1, 2 * HUGE_PAGE)  # [0, 4), [4, 8), [8, 11 MiB + 1)
-    assert tensors_by_piece(table, pieces) == [[0], [1], [2, 3]]
+    assert segments_by_piece(table, pieces) == [
+        [(0, 0, 3 * MIB), (1, 3 * MIB, 4 * MIB)],
+        [(1, 4 * MIB, 5 * MIB), (2, 5 * MIB, 8 * MIB)],
+        [(2, 8 * MIB, 11 * MIB), (3, 11 * MIB, 11 * MIB + 1)],
+    ]
 
 
 @pytest.mark.parametrize("threads", [1, 4])
@@ -93,7 +96,7 @@ def test_every_tensor_is_copied_from_registered_memory_and_every_piece_unregiste
     total = sum(sizes)
     cuda = FakeCudaHost(delay=0.01)
     report = run(table, total, cuda, piece=4 * MIB, threads=threads)
-    assert sorted(cuda.copied) == list(range(len(sizes)))
+    assert sum(b - a for _, a, b in cuda.copied) == total and {i for i, _, _ in cuda.copied} == set(range(len(sizes)))
     assert cuda.ranges == {} and len(cuda.unregistered) == report["pieces"] == len(register_pieces(total, 4 * MIB))
     assert report["register_threads"] == threads
 
@@ -112,14 +115,39 @@ def test_a_failed_registration_is_raised_and_leaves_nothing_registered():
     with pytest.raises(RuntimeError, match="cudaHostRegister of 4194304 bytes at offset 12582912 failed"):
         run(table, sum(sizes), cuda, piece=4 * MIB, threads=2)
     assert cuda.ranges == {}  # the pieces registered before and beside it were let go
-    assert 3 not in cuda.copied and all(i < 3 for i in cuda.copied)
+    assert all(b <= 12 * MIB for _, _, b in cuda.copied)  # nothing of the piece that failed, or after it
+
+
+def test_kept_pieces_stay_registered_for_the_caller_to_let_go():
+    sizes = [5 * MIB, 3 * MIB, 9 * MIB]
+    table = tensors(sizes)
+    cuda = FakeCudaHost()
+    kept: list[tuple[int, int]] = []
+
+    def copy(i: int, a: int, b: int) -> None:
+        cuda.copied.append(i)
+
+    report = copy_while_registering(table, sum(sizes), register=cuda.register, unregister=cuda.unregister, copy=copy, finish=lambda: None, piece=4 * MIB, threads=2, kept=kept)
+    assert sorted(kept) == sorted(cuda.ranges.items()) and len(kept) == report["pieces"] and not cuda.unregistered
+    for off, n in kept:
+        cuda.unregister(off, n)
+    assert cuda.ranges == {}
+
+
+def test_a_failed_run_keeps_nothing_even_when_asked_to():
+    table = tensors([4 * MIB] * 4)
+    cuda = FakeCudaHost(fail_at=9 * MIB)
+    kept: list[tuple[int, int]] = []
+    with pytest.raises(RuntimeError, match="cudaHostRegister"):
+        copy_while_registering(table, 16 * MIB, register=cuda.register, unregister=cuda.unregister, copy=lambda i, a, b: None, finish=lambda: None, piece=4 * MIB, threads=2, kept=kept)
+    assert kept == [] and cuda.ranges == {}
 
 
 def test_a_failed_copy_still_unregisters_every_piece():
     table = tensors([4 * MIB] * 4)
     cuda = FakeCudaHost()
 
-    def copy(i: int) -> None:
+    def copy(i: int, a: int, b: int) -> None:
         if i == 2:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 

@@ -238,7 +238,7 @@ def test_warm_restores_the_tree_ahead_asleep_and_sparkrun_run_only_hydrates_and_
         assert row["state"] == "active" and row["root_pid"] == tree and row["warm"] is None
         activated = json.loads(Path(row["last_receipt"]).read_text())
         names = [p["name"] for p in activated["phases"]]
-        assert activated["details"]["restored_ahead"] is True and names[-3:] == ["restore", "hydrate", "validate"] and "prepare.stage" not in names, names
+        assert activated["details"]["restored_ahead"] is True and names[-4:] == ["restore", "hydrate", "validate", "hydrate.release"] and "prepare.stage" not in names, names
         assert activated["validation"]["passed"] and ask(port) == receipt["validation"]["reply"]
         assert asked_since(sr, recipe, mark)[:3] == [("POST", "/resume_memory_occupation"), ("POST", "/update_weights_from_disk"), ("POST", "/resume_memory_occupation")]
     finally:

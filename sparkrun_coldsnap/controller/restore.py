@@ -18,7 +18,8 @@ from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder, Weights
 from sparkrun_coldsnap.documents.request import RestoreRequest
 from sparkrun_coldsnap.documents.settings import Settings
-from sparkrun_coldsnap.errors import CompatibilityError, RestoreError, ValidationError
+from sparkrun_coldsnap.engines.base import Endpoint, HydrationResult
+from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, RestoreError, ValidationError
 from sparkrun_coldsnap.host import engine_temp, paths
 from sparkrun_coldsnap.host.atomic import owned_prefix
 from sparkrun_coldsnap.host.ports import port_holder_settled
@@ -160,6 +161,7 @@ def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Pro
                 running = attempt.running = prepared.staged.activate(req.workload_name, log_path=log_path, progress=progress.step)
                 root_pid = running.root_pid
             endpoint = r.adapter.endpoint(w.launch.command, w.model.id, w.launch.port)
+            h = None
             if prepared.weights is not None:
                 choice = prepared.weights
                 with rb.phase("hydrate"), progress.waiting("hydrating weights (%s)" % choice.path):
@@ -167,7 +169,6 @@ def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Pro
                         endpoint, path=choice.path, model_dir=w.model.path or "", native_dir=str(choice.native_dir) if choice.native_dir else None, cached=choice.cached,
                         memory_dir=str(choice.in_memory.directory) if choice.in_memory is not None else None,
                     )  # fmt: skip
-                choice.release_memory()  # hydrated: the copy in memory is not needed any more
                 source = weight_paths.source_files(cap.config, choice.path)
                 rb.weights = Weights(path=h.path, seconds=round(h.seconds, 4), files=len(source), bytes=sum(f.size for f in source), note=choice.note)
                 if h.details:
@@ -185,9 +186,26 @@ def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Pro
             rb.validation = validation
             if not validation.passed:
                 raise ValidationError("restored workload replied %r, capsule %s recorded %r: the capsule does not match this host; recapture" % (validation.reply, req.capsule.ref, expected))
+            if h is not None and prepared.weights is not None:
+                _after_hydration(r, endpoint, h, prepared.weights, rb)
             rb.details["prepare_seconds"] = round(prepared.prepare_seconds, 4)
             rb.details["root_pid"] = root_pid
             engine_temp.sweep()  # what the workload this one replaced left in /tmp
             return ServingOutcome(finish(rb, None), root_pid, validation.ttft_seconds, running)
     finally:
         prepared.discard()
+
+
+def _after_hydration(r: Resolved, endpoint: Endpoint, hydrated: HydrationResult, choice: weight_paths.WeightChoice, rb: ReceiptBuilder) -> None:
+    """Once the engine has answered, off the clock: what the hydration kept for speed (the
+    payload's mapping, still registered with the GPU) is let go, then the copy in memory.
+    The workload serves either way: a failure here is recorded, not raised."""
+    with rb.phase("hydrate.release"):
+        try:
+            released = r.adapter.finish_hydration(endpoint, hydrated)
+        except ColdsnapError as err:
+            rb.details["hydrate_release_error"] = err.message
+            released = ()
+        choice.release_memory()
+    if released:
+        rb.details["hydrate_release"] = list(released)

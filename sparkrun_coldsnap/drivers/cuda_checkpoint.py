@@ -32,7 +32,7 @@ LOCK_TIMEOUT_MS = 30_000
 #: process that shares device memory with a locked peer (CUDA IPC, as NCCL's P2P transport
 #: and custom all-reduce kernels use) does not fail: it blocks until that peer is unlocked
 #: (NVIDIA/cuda-checkpoint#30), so without a deadline a capture would wait forever.
-CALL_SECONDS = {"checkpoint": 900.0, "restore": 900.0, "init": 120.0}
+CALL_SECONDS = {"checkpoint": 900.0, "restore": 900.0, "restore_many": 1800.0, "init": 120.0}
 OTHER_CALL_SECONDS = 60.0
 
 
@@ -44,9 +44,20 @@ class CheckpointApi(Protocol):
     def unlock(self, pid: int) -> None: ...
     def uuids(self) -> list[str]: ...
 
+    def restore_many(self, pids: Sequence[int], pairs: Sequence[tuple[str, str]], *, parallel: bool) -> dict[int, float]:
+        """Restore every process, then unlock every one (each step on all of them at once when
+        *parallel*); the seconds each process took. A failure raises ``CudaCallError`` with
+        ``pid`` and ``op`` set, and unlocks none."""
+        ...
+
 
 class CudaCallError(RuntimeError):
-    """One checkpoint API call failed; ``str()`` is the CUDA error name."""
+    """One checkpoint API call failed; ``str()`` is the CUDA error name. On a call over several
+    processes, ``pid`` and ``op`` say which process and which step."""
+
+    def __init__(self, message: str, *, pid: int | None = None, op: str | None = None) -> None:
+        super().__init__(message)
+        self.pid, self.op = pid, op
 
 
 class CudaCallHung(CudaCallError):
@@ -118,7 +129,7 @@ class HelperProcess:
             raise ToolError("the CUDA checkpoint helper exited: %s" % (err.strip().splitlines() or ["no output"])[-1])
         out = json.loads(line)
         if not out.get("ok"):
-            raise CudaCallError(out.get("error") or "unknown error")
+            raise CudaCallError(out.get("error") or "unknown error", pid=out.get("pid"), op=out.get("op"))
         return out
 
     def state(self, pid: int) -> str:
@@ -138,6 +149,10 @@ class HelperProcess:
 
     def uuids(self) -> list[str]:
         return list(self._call({"op": "uuids"})["uuids"])
+
+    def restore_many(self, pids: Sequence[int], pairs: Sequence[tuple[str, str]], *, parallel: bool) -> dict[int, float]:
+        answer = self._call({"op": "restore_many", "pids": list(pids), "pairs": [list(p) for p in pairs], "parallel": parallel})
+        return {int(pid): float(s) for pid, s in answer["seconds"].items()}
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -258,18 +273,16 @@ def _step(api: CheckpointApi, op: str, pid: int) -> list[str]:
     return []
 
 
-def restore_all(api: CheckpointApi, pids: Sequence[int], pairs: Sequence[tuple[str, str]] = ()) -> None:
-    """Restore all, then unlock all. A failure leaves the tree unusable: the caller stops it."""
-    for pid in pids:
-        try:
-            api.restore(pid, pairs)
-        except CudaCallError as err:
-            raise RestoreError("CUDA restore of process %s failed (%s, state %s)" % (_name(pid), err, _state(api, pid))) from err
-    for pid in pids:
-        try:
-            api.unlock(pid)
-        except CudaCallError as err:
-            raise RestoreError("CUDA unlock of process %s failed (%s, state %s)" % (_name(pid), err, _state(api, pid))) from err
+def restore_all(api: CheckpointApi, pids: Sequence[int], pairs: Sequence[tuple[str, str]] = ()) -> dict[int, float]:
+    """Restore all, then unlock all; the seconds each process took. The processes go side by
+    side (``COLDSNAP_CUDA_RESTORE``: each restore is carried out by its own process, so the
+    API server's context and the engine's come back together) unless the settings say
+    serial. A failure leaves the tree unusable: the caller stops it."""
+    try:
+        return api.restore_many(pids, pairs, parallel=settings.current().cuda_restore_parallel and len(pids) > 1)
+    except CudaCallError as err:
+        pid = err.pid if err.pid is not None else (pids[0] if pids else 0)
+        raise RestoreError("CUDA %s of process %s failed (%s, state %s)" % (err.op or "restore", _name(pid), err, _state(api, pid))) from err
 
 
 def _state(api: CheckpointApi, pid: int) -> str:

@@ -11,8 +11,11 @@ stdin and answers one JSON line on stdout:
     {"op": "checkpoint", "pid": 123}
     {"op": "restore", "pid": 123, "pairs": [["GPU-old", "GPU-new"]]}
     {"op": "unlock", "pid": 123}
+    {"op": "restore_many", "pids": [1, 2], "pairs": [...], "parallel": true}
+                                                     -> {"ok": true, "seconds": {"1": 0.4, "2": 0.2}}
     {"op": "uuids"}                                  -> {"ok": true, "uuids": ["GPU-..."]}
-Failures answer {"ok": false, "error": "CUDA_ERROR_..."}.
+Failures answer {"ok": false, "error": "CUDA_ERROR_..."}; a call on several processes also
+names the one that failed and the step (``"pid"``, ``"op"``).
 
 Standalone on purpose (no imports from the plugin): it runs in the engine's
 environment, which does not have the plugin installed.
@@ -23,6 +26,8 @@ from __future__ import annotations
 import ctypes
 import json
 import sys
+import threading
+import time
 import uuid as uuidlib
 
 STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
@@ -36,6 +41,14 @@ def _driver():
     return driver
 
 
+class CallFailed(RuntimeError):
+    """A call on one process of several failed: the answer names the process and the call."""
+
+    def __init__(self, error: str, **fields) -> None:
+        super().__init__(error)
+        self.fields = fields
+
+
 def _check(result):
     err = result[0] if isinstance(result, tuple) else result
     if int(err) != 0:
@@ -46,6 +59,21 @@ def _check(result):
 
 def _uuid_bytes(text: str) -> bytes:
     return uuidlib.UUID(text.replace("GPU-", "")).bytes
+
+
+def _side_by_side(fn, items):
+    """fn(item) for every item, each on a thread of its own; the results in order."""
+    out = [None] * len(items)
+
+    def run(i):
+        out[i] = fn(items[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(items))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
 
 
 class Helper:
@@ -109,6 +137,37 @@ class Helper:
         _check(self.d.cuCheckpointProcessUnlock(int(msg["pid"]), None))
         return {}
 
+    def restore_many(self, msg):
+        """Restore every process, then unlock every one; with "parallel" each step runs on
+        every process at once. A restore is carried out by the restored process's own
+        thread (the call waits for it), so the processes' device state goes back side by
+        side. The first failure is answered, naming its process; none is unlocked then."""
+        pids = [int(p) for p in msg["pids"]]
+        seconds = {}
+
+        def each(op, pid):
+            t = time.monotonic()
+            try:
+                getattr(self, op)({"pid": pid, "pairs": msg.get("pairs") or []})
+            except Exception as err:  # noqa: BLE001 - answered with the process it concerns
+                return CallFailed(str(err), pid=pid, op=op)
+            seconds[str(pid)] = round(seconds.get(str(pid), 0.0) + time.monotonic() - t, 4)
+            return None
+
+        for op in ("restore", "unlock"):
+            if msg.get("parallel"):
+                errors = _side_by_side(lambda pid, op=op: each(op, pid), pids)
+            else:
+                errors = []
+                for pid in pids:
+                    errors.append(each(op, pid))
+                    if errors[-1]:
+                        break
+            failed = [e for e in errors if e]
+            if failed:
+                raise failed[0]
+        return {"seconds": seconds}
+
 
 def main() -> int:
     try:
@@ -125,7 +184,7 @@ def main() -> int:
             out = getattr(helper, op)(msg)
             print(json.dumps({"ok": True, **out}), flush=True)
         except Exception as err:  # noqa: BLE001 - every failure becomes an answer
-            print(json.dumps({"ok": False, "error": str(err)}), flush=True)
+            print(json.dumps({"ok": False, "error": str(err), **getattr(err, "fields", {})}), flush=True)
     return 0
 
 

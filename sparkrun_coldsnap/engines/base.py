@@ -123,6 +123,11 @@ class EngineAdapter(ABC):
         *cached*: preparation read the files into the page cache (so direct I/O would go around it);
         *memory_dir*: preparation copied the native payload there, into memory (``maps_native`` adapters)."""
 
+    def finish_hydration(self, endpoint: Endpoint, result: HydrationResult) -> tuple[dict[str, Any], ...]:
+        """Once the restored engine has answered: let go of what *result*'s hydration kept for
+        speed (a mapping still registered with the GPU, say); what each worker reported."""
+        return ()
+
     # -- sleeping in place (lifecycle) ---------------------------------
 
     #: what ``sleep`` can do: 1 keeps the weights in host memory and drops the KV cache, 2 drops

@@ -106,13 +106,23 @@ class VllmAdapter(EngineAdapter):
     def _load_mapped(self, endpoint: Endpoint, memory_dir: str) -> tuple[dict[str, Any], ...]:
         current = settings.current()
         piece = current.register_piece_mib << 20  # 0: the whole payload in one piece
-        try:
-            return self._rpc(endpoint, "coldsnap_load_native_mapped", memory_dir, piece, current.register_threads)
-        except EngineError as err:
-            if "positional argument" not in str(err):
-                raise
-            # a capsule whose reader predates the registration in pieces takes the directory only
-            return self._rpc(endpoint, "coldsnap_load_native_mapped", memory_dir)
+        # The reader is the one in the restored engine's memory, as old as its capsule: a reader
+        # that cannot keep the mapping until after validation, or that predates the registration
+        # in pieces, takes fewer arguments.
+        calls = ((memory_dir, piece, current.register_threads, True), (memory_dir, piece, current.register_threads), (memory_dir,))
+        for args in calls:
+            try:
+                return self._rpc(endpoint, "coldsnap_load_native_mapped", *args)
+            except EngineError as err:
+                if "positional argument" not in str(err) or args is calls[-1]:
+                    raise
+        raise AssertionError("unreachable")
+
+    def finish_hydration(self, endpoint: Endpoint, result: HydrationResult) -> tuple[dict[str, Any], ...]:
+        # The workers kept the payload's mapping registered while the engine answered: let it go.
+        if not any(d.get("kept") for d in result.details):
+            return ()
+        return self._rpc(endpoint, "coldsnap_release_mapped")
 
     def export_native(self, endpoint: Endpoint, directory: str) -> tuple[dict[str, Any], ...]:
         return self._rpc(endpoint, "coldsnap_export_native", directory)

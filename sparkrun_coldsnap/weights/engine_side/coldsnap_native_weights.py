@@ -78,30 +78,42 @@ def register_pieces(total: int, piece: int) -> list[tuple[int, int]]:
     return chunks(total, max(HUGE_PAGE, piece // HUGE_PAGE * HUGE_PAGE))
 
 
-def tensors_by_piece(tensors: list[dict[str, Any]], pieces: list[tuple[int, int]]) -> list[list[int]]:
-    """For each piece, the tensors to copy once it is registered: a tensor goes with the piece
-    holding its last byte, so every piece it spans is registered before it is copied (pieces
-    are waited for in order)."""
+def segments_by_piece(tensors: list[dict[str, Any]], pieces: list[tuple[int, int]]) -> list[list[tuple[int, int, int]]]:
+    """For each piece, the bytes to copy once it is registered: (tensor index, start, end) in
+    payload offsets, a tensor that spans pieces cut at their boundaries. The GPU copies from
+    registered host memory only within one registration (a copy across two is refused with
+    "invalid argument"), so no copy may cross a boundary."""
+    out: list[list[tuple[int, int, int]]] = [[] for _ in pieces]
     starts = [off for off, _ in pieces]
-    out: list[list[int]] = [[] for _ in pieces]
     for i, t in enumerate(tensors):
-        last = t["offset"] + max(t["nbytes"], 1) - 1
-        out[max(bisect.bisect_right(starts, last) - 1, 0)].append(i)
+        a, end = t["offset"], t["offset"] + t["nbytes"]
+        k = max(bisect.bisect_right(starts, a) - 1, 0)
+        while a < end:
+            piece_end = pieces[k][0] + pieces[k][1] if k < len(pieces) else end
+            b = min(end, piece_end)
+            out[min(k, len(pieces) - 1)].append((i, a, b))
+            a, k = b, k + 1
     return out
 
 
 def copy_while_registering(
     tensors: list[dict[str, Any]], total: int, *, register, unregister, copy, finish, piece: int, threads: int,
+    kept: list[tuple[int, int]] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Register the mapping with CUDA piece by piece on *threads* threads while the copies of
     the pieces already registered run: pinning 14 GB takes about as long as the GPU takes to
     copy it, so done one after the other they add up and overlapped they nearly do not.
-    *copy(i)* queues tensor i's copy, *finish()* waits for every queued copy; every piece that
-    was registered is unregistered, also when a registration or a copy fails."""
+    *copy(i, start, end)* queues the copy of payload bytes [start, end) into tensor i (never
+    across a piece's boundary), *finish()* waits for every queued copy; every piece that
+    was registered is unregistered, also when a registration or a copy fails. Given a list as
+    *kept*, a run that succeeds leaves its pieces registered and puts them there instead:
+    unregistering 14 GB takes a good part of a second, which the caller can spend later, once
+    the restored engine has answered."""
     pieces = register_pieces(total, piece)
-    groups = tensors_by_piece(tensors, pieces)
+    groups = segments_by_piece(tensors, pieces)
     registered: list[tuple[int, int]] = []
     lock = threading.Lock()
+    succeeded = False
 
     def pin(k: int) -> None:
         register(*pieces[k])
@@ -117,15 +129,19 @@ def copy_while_registering(
             t_wait = time.monotonic()
             fut.result()
             waited += time.monotonic() - t_wait
-            for i in groups[k]:
-                copy(i)
+            for i, a, b in groups[k]:
+                copy(i, a, b)
         t_registered = time.monotonic()
         finish()
         t_end = time.monotonic()
+        succeeded = True
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-        for off, n in registered:
-            unregister(off, n)
+        if succeeded and kept is not None:
+            kept.extend(registered)
+        else:
+            for off, n in registered:
+                unregister(off, n)
     return {
         "register_seconds": round(t_registered - t0, 4), "copy_seconds": round(t_end - t_registered, 4),
         "register_wait_seconds": round(waited, 4), "pieces": len(pieces), "register_threads": max(1, threads),
@@ -189,8 +205,19 @@ def _read_into(fds: tuple[int, int], view: memoryview, offset: int, length: int)
         done += n
 
 
+def _close_mapping(mapped) -> None:
+    try:
+        mapped.close()
+    except BufferError:
+        pass  # a view still holds it: the collector unmaps it with the view
+
+
 class NativeWeights:
     """Mixed into vLLM's worker class; every method name is prefixed to avoid clashes."""
+
+    #: a hydration's mapping kept registered until the restore has its first token
+    #: (mapping, its byte view, registered pieces, how to unregister one)
+    _coldsnap_kept: tuple[Any, Any, list[tuple[int, int]], Any] | None = None
 
     def _coldsnap_rank(self) -> int:
         return int(getattr(self, "rank", 0) or 0)
@@ -213,19 +240,22 @@ class NativeWeights:
             raise RuntimeError("native payload does not fit this model (payload %r, model %r): capture again" % diff)
         return index, [t for _, t in held]
 
-    def coldsnap_load_native_mapped(self, directory: str, piece: int = REGISTER_PIECE, threads: int = REGISTER_THREADS) -> dict[str, Any]:
+    def coldsnap_load_native_mapped(self, directory: str, piece: int = REGISTER_PIECE, threads: int = REGISTER_THREADS, keep: bool = False) -> dict[str, Any]:
         """Fill the tensors from DIRECTORY/rank-N.bin held in memory (preparation copied it to a
         memory file system with huge pages): the file is mapped, the mapping registered with CUDA
         (page-locked in place, no copy through bounce buffers), and every tensor copied straight
         from it by the GPU's copy engine, at the bus's speed. Huge pages keep the registration
         cheap: a few thousand pages to lock, not millions. The registration goes in pieces of
         *piece* bytes (0: one piece), *threads* at a time, each piece's copies queued as soon as
-        it is registered."""
+        it is registered. *keep*: the mapping stays mapped and registered until
+        ``coldsnap_release_mapped`` (the restore calls it once the engine has answered), so
+        letting go of it is not on the way to the first token."""
         import mmap
 
         import torch
 
         t0 = time.monotonic()
+        self.coldsnap_release_mapped()  # a mapping an earlier hydration kept
         rank = self._coldsnap_rank()
         bin_name, _ = payload_names(rank)
         index, dests = self._coldsnap_index_and_tensors(directory)
@@ -240,6 +270,8 @@ class NativeWeights:
             os.close(fd)
         host = torch.frombuffer(mapped, dtype=torch.uint8)
         table = index["tensors"]
+        kept: list[tuple[int, int]] = []
+        t_open = time.monotonic()
         try:
             if on_gpu:
                 cudart = torch.cuda.cudart()
@@ -258,26 +290,47 @@ class NativeWeights:
                     torch.cuda.current_stream().synchronize()  # no copy may still read the piece
                     cudart.cudaHostUnregister(base + off)
 
-                def copy(i: int) -> None:
-                    e = table[i]
-                    dests[i].copy_(host[e["offset"] : e["offset"] + e["nbytes"]], non_blocking=True)
+                def copy(i: int, a: int, b: int) -> None:
+                    at = a - table[i]["offset"]
+                    dests[i][at : at + b - a].copy_(host[a:b], non_blocking=True)
 
                 report = copy_while_registering(
                     table, total, register=register, unregister=unregister, copy=copy,
-                    finish=torch.cuda.current_stream().synchronize, piece=piece or total, threads=threads,
+                    finish=torch.cuda.current_stream().synchronize, piece=piece or total, threads=threads, kept=kept if keep else None,
                 )  # fmt: skip
+                if kept:
+                    self._coldsnap_kept = (mapped, host, kept, unregister)
             else:
                 t_copy = time.monotonic()
                 for e, t in zip(table, dests):
                     t.copy_(host[e["offset"] : e["offset"] + e["nbytes"]])
                 report = {"register_seconds": 0.0, "copy_seconds": round(time.monotonic() - t_copy, 4), "pieces": 0}
         finally:
-            host = None  # the last view of the mapping (the copy closure sees it too), so it unmaps now
-            try:
-                mapped.close()
-            except BufferError:
-                pass  # a view still holds it: the collector unmaps it with the view
-        return {"rank": rank, "bytes": total, "tensors": len(dests), "seconds": round(time.monotonic() - t0, 4), "mapped": True, **report}
+            if not kept:
+                host = None  # the last view of the mapping (the copy closure sees it too), so it unmaps now
+                _close_mapping(mapped)
+        t_end = time.monotonic()
+        return {
+            "rank": rank, "bytes": total, "tensors": len(dests), "seconds": round(t_end - t0, 4), "mapped": True,
+            "open_seconds": round(t_open - t0, 4), "kept": bool(kept), **report,
+        }  # fmt: skip
+
+    def coldsnap_release_mapped(self) -> dict[str, Any]:
+        """Unregister and unmap what ``coldsnap_load_native_mapped(keep=True)`` kept."""
+        kept = getattr(self, "_coldsnap_kept", None)
+        self._coldsnap_kept = None
+        if kept is None:
+            return {"rank": self._coldsnap_rank(), "released_bytes": 0, "seconds": 0.0}
+        t0 = time.monotonic()
+        mapped, host, pieces, unregister = kept
+        del kept
+        try:
+            for off, n in pieces:
+                unregister(off, n)
+        finally:
+            del host  # the last view of the mapping goes first, so it can be unmapped
+            _close_mapping(mapped)
+        return {"rank": self._coldsnap_rank(), "released_bytes": sum(n for _, n in pieces), "seconds": round(time.monotonic() - t0, 4)}
 
     def coldsnap_export_native(self, directory: str) -> dict[str, Any]:
         """Write this worker's loaded tensors to DIRECTORY/rank-N.{bin,json}."""
