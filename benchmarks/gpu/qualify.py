@@ -118,12 +118,19 @@ OPTIONS = {
     # a node with nothing prepared: preparation starts the reads and goes on; the figure
     # that counts is preparation + restore ("total")
     "cold": {"COLDSNAP_CACHE_IN_BACKGROUND": "1"},
-    # the payload in memory registered with CUDA all at once before the first copy, as before
-    # the registration went in pieces beside the copies
+    # the payload in memory registered with CUDA all at once before the first copy (the default)
     "whole": {"COLDSNAP_REGISTER_PIECE_MIB": "0"},
+    # in pieces of 1 GiB, four registered at once while the pieces before are copied
+    "pieces": {"COLDSNAP_REGISTER_PIECE_MIB": "1024"},
     # in pieces, one at a time
-    "serial": {"COLDSNAP_REGISTER_THREADS": "1"},
+    "serial": {"COLDSNAP_REGISTER_PIECE_MIB": "1024", "COLDSNAP_REGISTER_THREADS": "1"},
+    # the CUDA state of the tree's processes restored one after the other, as before
+    "serialcuda": {"COLDSNAP_CUDA_RESTORE": "serial"},
 }
+LABELS = {
+    "": "", "nocache": ", no cache", "cold": ", nothing prepared", "whole": ", registered whole", "serial": ", registered on one thread",
+    "pieces": ", registered in pieces", "serialcuda": ", CUDA restored serially",
+}  # fmt: skip
 
 
 def split_path(path: str) -> tuple[str, str, str]:
@@ -179,7 +186,7 @@ def restores_for(args, store: CapsuleStore) -> tuple[dict, dict, dict]:
         except ColdsnapError as err:
             print("no capsule for %s: %s" % (path, err), flush=True)
             continue
-        label = (driver if weights == "auto" else "%s %s" % (driver, weights)) + {"": "", "nocache": ", no cache", "cold": ", nothing prepared", "whole": ", registered whole", "serial": ", registered on one thread"}[option]
+        label = (driver if weights == "auto" else "%s %s" % (driver, weights)) + LABELS[option]
         restores[label] = (res, store)
         capsules[label] = {"ref": res.capsule.ref, "digest": entry.descriptor.digest}
         environ[label] = settings.Settings.from_environ({**os.environ, **OPTIONS[option]})
