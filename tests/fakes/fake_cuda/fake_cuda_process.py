@@ -9,6 +9,10 @@ GPU's device file open, its kernels wait while it is locked or checkpointed, it 
 of the device file when checkpointed and opens it again, on the GPU the restore's pairs
 name, when restored; a GPU that is gone leaves it FAILED.
 
+A test can tell the fake host's checkpoints to fail (:func:`fake_gpu_state.tell_to_fail`):
+the process then answers the CUDA error it was told, before anything moved, and stays locked
+(as when the host memory that would hold its device state cannot be had).
+
 Device memory shared with another process (CUDA IPC: what NCCL's P2P transport and the
 engines' custom all-reduce kernels set up, :meth:`FakeCudaContext.share_with`) is what
 the driver's checkpoint cannot carry before driver 610: a call on such a process does not
@@ -101,6 +105,9 @@ class FakeCudaContext:
                     self.cond.wait(left)
             return "CUDA_SUCCESS"
         if op == "checkpoint" and self.state == "locked":
+            told = gpu.told_to_fail("checkpoint")
+            if told:
+                return told  # refused before anything moved: still locked, as it was
             assert self.fd is not None
             os.close(self.fd)  # device memory now lives in host memory; the handles go
             self.fd = None
