@@ -25,7 +25,7 @@ import pytest
 from conftest import coldsnap_home
 from gpu_fixtures import FAKE_CUDA, H200, fake_gpu_state
 from test_two_node_capture import no_process_left, one_line_error
-from test_two_node_run import rank_logs, run_logged, share_model_cache
+from test_two_node_run import host_processes, rank_logs, run_logged, share_model_cache
 
 CLUSTER = ("--cluster", "two-node")
 FAKE = Path(__file__).parent / "fakes" / "fake_vllm_ranks.py"
@@ -147,6 +147,37 @@ def test_n610_captures_two_hosts_at_one_cut_and_sparkrun_run_restores_both_units
 
         status = sparkrun("status", *CLUSTER).stdout
         assert head.address in status and worker.address in status, status
+
+        # The same recipe run again replaces the serving workload with a fresh restore.
+        out = run_logged(sparkrun, tmp_path / "again.log", "run", str(path), *CLUSTER, "--no-follow")
+        assert "distributed state restored 2/2" in out and chat(head.address) == cfg["validation"]["reply"], out
+        serving = {h.address: host_processes(h) for h in two_node.hosts}
+
+        # Admission refused on one host only (its GPUs are another chip now): named with its
+        # host and unit, before anything is stopped; the workload serves on untouched.
+        listing = gpu_hosts["b"][0] / "gpus.json"
+        original = listing.read_text()
+        listing.write_text(original.replace(H200, "NVIDIA H100"))
+        try:
+            refused = sparkrun("run", str(path), *CLUSTER, "--no-follow", check=False)
+        finally:
+            listing.write_text(original)
+        error = one_line_error(refused)
+        assert "unit rank-1 on host %s" % worker.address in error and "NVIDIA H100" in error and "rank-0 on host" not in error, error
+        assert {h.address: host_processes(h) for h in two_node.hosts} == serving
+        assert chat(head.address) == cfg["validation"]["reply"]
+
+        # A CUDA restore that fails on one host, after the old workload was stopped: every unit
+        # on every host is torn down, and the error names the host and the unit.
+        told = fake_gpu_state.tell_to_fail("restore", "CUDA_ERROR_OUT_OF_MEMORY", gpu_hosts["b"][0])
+        try:
+            failed = sparkrun("run", str(path), *CLUSTER, "--no-follow", check=False)
+        finally:
+            told.unlink()
+        error = one_line_error(failed)
+        assert "restoring the devices of unit rank-1 on host %s: CUDA restore of process" % worker.address in error, error
+        assert "every unit restored has been stopped" in error, (failed.stdout + failed.stderr)[-3000:]
+        assert no_process_left(two_node) == {head.address: set(), worker.address: set()}
     except AssertionError as err:
         raise AssertionError("%s\n%s" % (err, rank_logs(head, worker))) from None
     finally:

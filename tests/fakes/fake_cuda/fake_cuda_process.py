@@ -9,9 +9,10 @@ GPU's device file open, its kernels wait while it is locked or checkpointed, it 
 of the device file when checkpointed and opens it again, on the GPU the restore's pairs
 name, when restored; a GPU that is gone leaves it FAILED.
 
-A test can tell the fake host's checkpoints to fail (:func:`fake_gpu_state.tell_to_fail`):
-the process then answers the CUDA error it was told, before anything moved, and stays locked
-(as when the host memory that would hold its device state cannot be had).
+A test can tell the fake host's checkpoints or restores to fail
+(:func:`fake_gpu_state.tell_to_fail`): the process then answers the CUDA error it was told,
+before anything moved, and stays where it was (locked; checkpointed), as when the memory that
+would hold its device state cannot be had.
 
 Device memory shared with another process (CUDA IPC: what NCCL's P2P transport and the
 engines' custom all-reduce kernels set up, :meth:`FakeCudaContext.share_with`) is what
@@ -114,6 +115,9 @@ class FakeCudaContext:
             self.state = "checkpointed"
             return "CUDA_SUCCESS"
         if op == "restore" and self.state == "checkpointed":
+            told = gpu.told_to_fail("restore")
+            if told:
+                return told  # refused before anything moved: still checkpointed
             after = self._remap(req["pairs"])
             if after is None:
                 return "CUDA_ERROR_INVALID_VALUE"

@@ -11,7 +11,8 @@ talks to it through the kernel module; here both sides meet in files under
   The process's checkpoint state lives in the process, as libcuda's does (a process
   restored from images is in the state it was dumped in); a thread of the process carries
   out each call on it and answers, as libcuda does for the real driver;
-* ``fail-<op>``: while it exists, every process of this host answers *op* (``checkpoint``)
+* ``fail-<op>``: while it exists, every process of this host answers *op* (``checkpoint``,
+  ``restore``)
   with the CUDA error it names (a test's fault, on one host only);
 * ``proc-<pid>.json``: what the process last reported (state, GPUs, every GPU of the host
   it started on), for ``nvidia-smi`` and for tests to read.
