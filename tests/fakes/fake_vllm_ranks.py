@@ -139,7 +139,8 @@ class Rank:
         while True:
             try:
                 req = self.lines.read()
-            except (ConnectionError, OSError):
+            except (ConnectionError, OSError) as err:
+                print("Worker rank %d: the engine core's channel ended (%r): exiting" % (self.rank, err), flush=True)
                 return
             with self.ctx.kernel():  # every step of a worker is GPU work
                 answer = getattr(self, "op_" + req["op"])(req)

@@ -79,13 +79,29 @@ class FakeCudaContext:
         return op == "checkpoint" and any(st == "running" for st in states)
 
     def _answer_driver(self) -> None:
+        path = gpu.request_path(self.pid)
+        seen: tuple[int, int, int] | None = None
+        pending: dict | None = None
         while True:
-            req = gpu.read_json(gpu.request_path(self.pid))
-            if req is not None and req["id"] != self.answered and not self._blocked(req["op"]):
-                result = self._carry_out(req)
-                self.answered = req["id"]
+            # The request file is opened only when a new one came. CRIU freezes the process at
+            # any instruction; a request file it found open would be restored only if its size
+            # were the same then, and the driver writes the next request in its place.
+            try:
+                st = os.stat(path)
+                mark: tuple[int, int, int] | None = (st.st_ino, st.st_mtime_ns, st.st_size)
+            except FileNotFoundError:
+                mark = None
+            if mark is not None and mark != seen:
+                seen = mark
+                req = gpu.read_json(path)
+                if req is not None and req["id"] != self.answered:
+                    pending = req
+            if pending is not None and not self._blocked(pending["op"]):
+                result = self._carry_out(pending)
+                self.answered = pending["id"]
                 self._report()
-                gpu.write_json(gpu.answer_path(self.pid), {"id": req["id"], "result": result, "state": self.state})
+                gpu.write_json(gpu.answer_path(self.pid), {"id": pending["id"], "result": result, "state": self.state})
+                pending = None
             time.sleep(0.005)
 
     def _carry_out(self, req: dict) -> str:
