@@ -17,6 +17,12 @@ if ! command -v cc >/dev/null 2>&1; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get install -y -q --no-upgrade gcc libc6-dev >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q --no-upgrade gcc libc6-dev >/dev/null; }
 fi
+# iptables for CRIU's network lock, which the two-host tests' dumps of connections between
+# hosts take (without it: "Iptables configuration failed").
+if ! command -v iptables >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q --no-upgrade iptables >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q --no-upgrade iptables >/dev/null; }
+fi
 # An sshd for the two-host tests (each network namespace runs its own).
 bash scripts/test-sshd.sh >/dev/null
 export SPARKRUN_NO_TELEMETRY=1 HF_HUB_OFFLINE=1

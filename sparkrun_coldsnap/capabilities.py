@@ -30,6 +30,7 @@ class DriverCaps(Strict):
     weights: Literal["in-image", "external"]
     available_here: bool
     reason: str
+    across_hosts: bool = Field(False, description="Captures and restores a workload sparkrun placed on several hosts (one launch unit per host, at one cut).")
     qualification: dict[str, Any] = Field(default_factory=dict, description="What has and has not been qualified on real hardware.")
 
 

@@ -23,17 +23,20 @@ a copy of /etc/passwd with the line added is bind-mounted there.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import pwd
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,6 +94,10 @@ class Host:
     host_key: Path
     sshd: subprocess.Popen | None = None
     log: Path | None = None
+    #: what this host's sessions get beside the shared environment (its own devices, say)
+    env: dict[str, str] = field(default_factory=dict)
+    #: directories of the shared filesystem this host sees a tmpfs of its own at (its own disk there)
+    private: tuple[Path, ...] = ()
 
     def netns_exec(self, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
         """Run *argv* inside this host's network namespace directly (set-up and checks, not SSH)."""
@@ -225,7 +232,7 @@ class TwoHosts:
 
     def _start_sshd(self, host: Host) -> None:
         binary, env = sshd_binary()
-        setenv = " ".join("%s=%s" % kv for kv in {"HOME": str(host.home), **self.shared_env}.items())
+        setenv = " ".join("%s=%s" % kv for kv in {"HOME": str(host.home), **self.shared_env, **host.env}.items())
         config = self.workdir / ("sshd-%s.conf" % host.name)
         config.write_text(
             "\n".join(
@@ -256,6 +263,8 @@ class TwoHosts:
         # ranks share a node by whether one sees the other's shared memory, and ranks that
         # think they do talk over unix sockets under /tmp, which no two real hosts share.
         setup = "mount -t tmpfs -o mode=1777,size=8g shm /dev/shm"
+        for d in host.private:
+            setup += " && mount -t tmpfs -o mode=0755,size=1g private %s" % shlex.quote(str(d))
         passwd = self._privsep()
         if passwd is not None:
             setup += ' && mount --bind "$0" /etc/passwd'
@@ -276,6 +285,34 @@ class TwoHosts:
             except OSError:
                 time.sleep(0.05)
         raise RuntimeError("sshd of host %s (%s) did not answer in %ds: %s" % (host.name, host.address, timeout, host.log.read_text()[-2000:]))
+
+    def restart_sshd(self, host: Host) -> None:
+        """Stop the host's sshd and start it again (with the host's ``env`` as it is now);
+        what earlier sessions started keeps running."""
+        assert host.sshd is not None
+        host.sshd.terminate()
+        host.sshd.wait(timeout=10)
+        self._start_sshd(host)
+        self._await_sshd(host)
+
+    @contextlib.contextmanager
+    def host_env(self, envs: dict[str, dict[str, str]], private: tuple[Path, ...] = ()) -> Iterator[None]:
+        """Every session on host ``name`` gets ``envs[name]`` while inside, as a host's own setup
+        (its drivers, its tools) gives every login, and sees a directory of its own (an empty
+        tmpfs) at each of *private*, as two machines have two disks at one path. Each sshd is
+        restarted with them, and again without them after."""
+        for d in private:
+            d.mkdir(parents=True, exist_ok=True)
+        try:
+            for host in self.hosts:
+                host.env, host.private = dict(envs.get(host.name) or {}), tuple(private)
+                self.restart_sshd(host)
+            yield
+        finally:
+            for host in self.hosts:
+                host.env, host.private = {}, ()
+                if host.sshd is not None:
+                    self.restart_sshd(host)
 
     # -- sparkrun --------------------------------------------------------------------------------
 

@@ -1,19 +1,24 @@
 """A workload placed as several launch units, one per host: captured at one cut, restored together.
 
-Capture: every host answers before anything starts; the ranks are started on their hosts
-(head first, workers once the head listens on the rendezvous port) and validated through
-rank 0; every unit's files are recorded on its host; the units are checkpointed at one
-consistent cut (``coordinated_checkpoint``) and stopped there; each host leaves its zero
-pages out and packs its own unit's layers, which are gathered (digests checked) into the
-one store; the capsule is published only when every unit's layers are in.
+Capture: every host answers, and its driver can capture there, before anything starts; the
+ranks are started on their hosts (head first, workers once the head listens on the rendezvous
+port) with what the driver needs of their launch, and validated through rank 0; where the
+weights leave the capsule (GPU drivers) every rank writes its native payload on its host and
+the engine releases its memory, both asked of rank 0; every unit's files are recorded on its
+host; the units are checkpointed at one consistent cut (``coordinated_checkpoint``: every
+unit's devices locked, then checkpointed, then every unit stopped and dumped) and end there;
+each host leaves its zero pages out and packs its own unit's layers, which are gathered
+(digests checked) into the one store; the capsule is published only when every unit's layers
+are in.
 
 Restore: the capsule's topology must be the run's (host count, each rank on the host it was
 captured on: the ranks' connections come back as they were, to the captured addresses);
 every unit is admitted on its own host with that host's fingerprint; each host receives and
 unpacks its unit's layers; all before anything is stopped. Then the workload being replaced
-is stopped, every unit is restored on its host at once, still stopped at the cut, every unit
-is continued, recorded as its rank (sparkrun's ``status``/``stop`` see it) and the reply
-through rank 0 is checked against the one recorded at capture.
+is stopped, every unit is restored on its host at once, still stopped at the cut, recorded as
+its rank (sparkrun's ``status``/``stop`` see it) and continued (``coordinated_restore``: then
+every unit's devices given back, then unlocked), the weights brought back through rank 0, and
+the reply through rank 0 is checked against the one recorded at capture.
 
 Any failure stops what this operation started on every host and removes what it staged; a
 failure before the restore leaves the workload being replaced as it was.
@@ -28,14 +33,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from sparkrun_coldsnap import extensions
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
-from sparkrun_coldsnap.capsule.config import CapsuleConfig, CapturedValidation, EngineRecord, WeightsRecord
+from sparkrun_coldsnap.capsule.config import CapsuleConfig, CapturedValidation, EngineRecord, NativePayload, WeightsRecord
 from sparkrun_coldsnap.capsule.pack import PackedLayer
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.compat import pinning
+from sparkrun_coldsnap.compat.fingerprint import Fingerprint, compare
+from sparkrun_coldsnap.controller import units_weights
 from sparkrun_coldsnap.controller.capture import CaptureOutcome
 from sparkrun_coldsnap.controller.common import Resolved, finish, resolve, validate
 from sparkrun_coldsnap.controller.coordinated_checkpoint import UnitOnHost, checkpoint_units
+from sparkrun_coldsnap.controller.units_agent import AgentCut, AgentDevices
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder, Validation
 from sparkrun_coldsnap.documents.request import CaptureRequest, LaunchUnit, RestoreRequest, Workload
@@ -46,11 +55,7 @@ from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, RequestError, 
 from sparkrun_coldsnap.host.file_drift import RecordedFile
 from sparkrun_coldsnap.launch.remote import UnitHosts
 from sparkrun_coldsnap.progress import QUIET, Progress
-from sparkrun_coldsnap.weights import model_files
-
-#: drivers whose units can be captured across hosts (what the GPU drivers still need there:
-#: docs/architecture.md, "Several hosts").
-MULTI_HOST_DRIVERS = ("cpu",)
+from sparkrun_coldsnap.weights import model_files, weight_paths
 
 
 def ordered(w: Workload) -> list[LaunchUnit]:
@@ -74,9 +79,10 @@ def _parallel(units: Sequence[LaunchUnit], step: Callable[[LaunchUnit], Any]) ->
 
 def _resolved(w: Workload, settings: Settings) -> Resolved:
     r = resolve(w, settings)
-    if r.driver.name not in MULTI_HOST_DRIVERS:
+    if not r.driver.across_hosts:
+        able = [d.name for d in extensions.registry().drivers_by_preference() if d.across_hosts]
         raise RequestError(
-            "driver %s cannot capture a workload of several hosts yet (%s can): capture each host's engine on its own, or use driver: cpu for a CPU engine" % (r.driver.name, ", ".join(MULTI_HOST_DRIVERS)),
+            "driver %s cannot capture a workload of several hosts (%s can): set coldsnap.driver to one of those, or capture each host's engine on its own" % (r.driver.name, ", ".join(able)),
             code="request.multi_host",
         )
     return r
@@ -86,30 +92,6 @@ def rank0_endpoint(r: Resolved, w: Workload, hosts: UnitHosts) -> Endpoint:
     head = ordered(w)[0]
     e = r.adapter.endpoint(w.launch.command, w.model.id, w.launch.port)
     return Endpoint(e.base_url.replace("127.0.0.1", hosts.head_address(head), 1), e.served_model)
-
-
-class _AgentCut:
-    """The coordinated checkpoint's steps, each on the unit's host through its agent."""
-
-    def __init__(self, hosts: UnitHosts, units: dict[str, LaunchUnit], driver: str) -> None:
-        self.hosts, self.units, self.driver = hosts, units, driver
-
-    def stop(self, u: UnitOnHost) -> None:
-        self.hosts.signal_group(self.units[u.unit], u.root_pid, "STOP")
-
-    def resume(self, u: UnitOnHost) -> None:
-        self.hosts.signal_group(self.units[u.unit], u.root_pid, "CONT")
-
-    def dump(self, u: UnitOnHost) -> UnitImage:
-        doc = {"root_pid": u.root_pid, "images": u.images, "unit": u.unit, "host": u.host, "driver": self.driver}
-        try:
-            answer = self.hosts.agent(self.units[u.unit], "dump", doc, timeout=1800)
-        except ColdsnapError as err:
-            raise CaptureError("dumping %s" % err.message) from err
-        return UnitImage.model_validate(answer["image"])
-
-    def discard(self, u: UnitOnHost) -> None:
-        self.hosts.agent(self.units[u.unit], "remove", {"paths": [u.images]}, timeout=300)
 
 
 @contextlib.contextmanager
@@ -127,10 +109,23 @@ def _io_uring_off(hosts: UnitHosts, units: Sequence[LaunchUnit]):
                 hosts.agent(u, "io_uring_back", {}, timeout=60)
 
 
-def start_units(r: Resolved, req: CaptureRequest | RestoreRequest, hosts: UnitHosts, rb: ReceiptBuilder, progress: Progress, *, init_port: int) -> tuple[Validation, float]:
-    """Every unit started on its host (head first), ready and validated through rank 0; (validation, t0)."""
+Launch = Callable[[LaunchUnit], tuple[str, dict[str, str]]]
+
+
+def recipe_launch(w: Workload) -> Launch:
+    """Each unit's command and environment as the recipe and placement give them."""
+    return lambda u: (u.command or w.launch.command, {**w.launch.env, **u.env})
+
+
+def start_units(
+    r: Resolved, req: CaptureRequest | RestoreRequest, hosts: UnitHosts, rb: ReceiptBuilder, progress: Progress, *, init_port: int, launch: Launch | None = None,
+) -> tuple[Validation, float]:  # fmt: skip
+    """Every unit started on its host (head first), ready and validated through rank 0; (validation, t0).
+
+    *launch* gives each unit's command and environment (default: the recipe's)."""
     w = req.workload
     units = ordered(w)
+    launch = launch or recipe_launch(w)
     t0 = time.monotonic()
     for u in units:
         if u.rank == 1:
@@ -139,7 +134,7 @@ def start_units(r: Resolved, req: CaptureRequest | RestoreRequest, hosts: UnitHo
                 hosts.wait_rendezvous(units[0], init_port)
         progress.step("starting %s on %s" % (u.name, u.host))
         with rb.phase("launch.%s" % u.name):
-            hosts.start(u, u.command or w.launch.command, {**w.launch.env, **u.env})
+            hosts.start(u, *launch(u))
     endpoint = rank0_endpoint(r, w, hosts)
     with rb.phase("ready"), progress.waiting("waiting for rank 0 to answer on %s" % endpoint.base_url):
         try:
@@ -188,7 +183,10 @@ def capture_units(
                     raise RequestError(pin_problem)
                 if not w.model.path:
                     raise RequestError("the pinned snapshot of %s@%s is not in the model cache (HF_HOME): download that revision first" % (w.model.id, w.model.revision))
+                native_wanted = weight_paths.writes_native(w, r.driver, r.adapter)
+                launches = capture_launches(r, w, units, rb, native_wanted=native_wanted)  # a refused setting stops it here, before anything starts
                 hosts.check_reachable(units)
+                fingerprint = _capture_facts(req, r, hosts, units)
                 if hosts.listening(units[0], w.launch.port):
                     raise CaptureError("port %d is in use on host %s (unit %s): stop that workload (sparkrun stop) or capture on another port" % (w.launch.port, units[0].host, units[0].name))
                 store.init()
@@ -196,9 +194,10 @@ def capture_units(
                 recorded_files = model_files.record(Path(w.model.path))
             with store.staging_dir("capture-") as staging, _io_uring_off(hosts, units):
                 progress.step("starting %d units of %s for capture on %s" % (len(units), req.capsule.ref, ", ".join(u.host for u in units)))
-                validation, _ = start_units(r, req, hosts, rb, progress, init_port=init_port)
+                validation, _ = start_units(r, req, hosts, rb, progress, init_port=init_port, launch=lambda u: launches[u.name])
                 progress.note("first token %.1f s after launch; reply %r" % (validation.ttft_seconds or 0, validation.reply))
                 rb.details["vanilla_ttft_seconds"] = validation.ttft_seconds
+                native, native_files = _release(r, req, hosts, units, rb, progress, native_wanted=native_wanted)
                 images, files, scratch = _checkpoint(r, hosts, units, by_name, rb, progress, cleanups)
                 layers = _gather(req, hosts, units, scratch, staging, rb, progress, zero_pages=settings.zero_pages)
                 _remove(hosts, units, scratch)  # gathered: the hosts' copies are not needed any more
@@ -206,13 +205,21 @@ def capture_units(
                     changed = model_files.verify(Path(w.model.path), recorded_files)
                 if changed:
                     raise CaptureError("the model files changed while the engines loaded them: %s; capture again" % "; ".join(changed))
-                unit_images = tuple(images[u.name].model_copy(update={"files": files[u.name], "image_bytes": layers[u.name][1]}) for u in units)
+                unit_images = tuple(
+                    images[u.name].model_copy(update={
+                        "files": files[u.name], "image_bytes": layers[u.name][1],
+                        "driver_data": {**images[u.name].driver_data, **({"native_files": native_files[u.name]} if native is not None else {})},
+                    })
+                    for u in units
+                )  # fmt: skip
                 config = CapsuleConfig(
                     name=req.capsule.name, tag=req.capsule.tag, created=capsule_mod.now_iso(), request_sha256=req.digest(), workload=w.redacted(),
-                    fingerprint=r.fingerprint(w, unit_images[0].criu_version),
+                    fingerprint=fingerprint,
                     engine=EngineRecord(name=w.engine, version=r.adapter.version(r.facts.packages) if r.facts else None), driver=r.driver.name,
                     validation=CapturedValidation(prompt=req.validation.prompt, max_tokens=req.validation.max_tokens, reply=validation.reply or "", request_ttft_seconds=validation.request_ttft_seconds),
-                    weights=WeightsRecord(location="in-image", model_id=w.model.id, revision=w.model.revision, files=recorded_files),
+                    weights=WeightsRecord(
+                        location="in-image" if r.driver.weights_in_image else "external", model_id=w.model.id, revision=w.model.revision, files=recorded_files, native=native,
+                    ),
                     units=unit_images,
                 )  # fmt: skip
                 packed = [layer for u in units for layer in layers[u.name][0]]
@@ -225,6 +232,53 @@ def capture_units(
             raise
     rb.capsule = desc.digest
     return CaptureOutcome(finish(rb, None), capsule_mod.open_capsule(store, req.capsule.ref))
+
+
+def capture_launches(r: Resolved, w: Workload, units: Sequence[LaunchUnit], rb: ReceiptBuilder, *, native_wanted: bool) -> dict[str, tuple[str, dict[str, str]]]:
+    """Each unit's command and environment for capture: the recipe's, with what the engine
+    needs to release its memory and write its native payload, and what the driver needs to
+    checkpoint it (n610, several ranks: collectives that share no device memory, over sockets
+    on the interfaces placement chose). What the driver added goes in the receipt."""
+    out = {}
+    for u in units:
+        launched = r.adapter.prepare_launch(*recipe_launch(w)(u), release_weights=r.driver.needs_release, native_weights=native_wanted)
+        command, env = r.driver.launch_settings(*launched, adapter=r.adapter, topology=w.topology)
+        if (command, env) != launched and "driver_launch" not in rb.details:  # the same for every unit
+            rb.details["driver_launch"] = {"flags": command[len(launched[0]) :].split(), "env": {k: v for k, v in env.items() if launched[1].get(k) != v}}
+        out[u.name] = command, env
+    return out
+
+
+def _capture_facts(req: CaptureRequest, r: Resolved, hosts: UnitHosts, units: list[LaunchUnit]) -> Fingerprint:
+    """Every host can capture with the driver and sees the workload as rank 0's host does; rank
+    0's fingerprint, the one the capsule records (every host's admission compares its own)."""
+    doc = {"request": req.model_dump(mode="json")}
+    answers = _parallel(units, lambda u: hosts.agent(u, "capture_facts", doc, timeout=300))
+    refused = ["host %s (unit %s): %s" % (u.host, u.name, answers[u.name]["reason"]) for u in units if not answers[u.name]["supported"]]
+    if refused:
+        raise CaptureError("snapshot driver %s cannot capture on %s" % (r.driver.name, "; ".join(refused)))
+    head = Fingerprint.model_validate(answers[units[0].name]["fingerprint"])
+    differ = []
+    for u in units[1:]:
+        mismatches = compare(head, Fingerprint.model_validate(answers[u.name]["fingerprint"]))
+        if mismatches:
+            differ.append("host %s (unit %s): %s" % (u.host, u.name, "; ".join(str(m) for m in mismatches)))
+    if differ:
+        raise CaptureError("the hosts differ from rank 0's host %s, where a restore would be refused: %s; capture on alike hosts" % (units[0].host, " | ".join(differ)))
+    return head
+
+
+def _release(
+    r: Resolved, req: CaptureRequest, hosts: UnitHosts, units: list[LaunchUnit], rb: ReceiptBuilder, progress: Progress, *, native_wanted: bool,
+) -> tuple[NativePayload | None, dict[str, list[str]]]:  # fmt: skip
+    """Where the weights leave the capsule: every rank's native payload written on its host, then
+    the engine's device memory released, both through rank 0 (vLLM's sleep reaches every rank)."""
+    endpoint = rank0_endpoint(r, req.workload, hosts)
+    native, parts = units_weights.export_native(r, req, hosts, units, endpoint, rb, progress) if native_wanted else (None, {})
+    if r.driver.needs_release:
+        with rb.phase("release_memory"), progress.waiting("releasing the engine's device memory through rank 0"):
+            r.adapter.release_memory(endpoint)
+    return native, parts
 
 
 def _checkpoint(
@@ -240,13 +294,16 @@ def _checkpoint(
     scratch = {u.name: hosts.agent(u, "inbox", {})["path"] for u in units}
     cleanups.append(lambda: _remove(hosts, units, scratch))
     targets = [UnitOnHost(u.name, u.host, roots[u.name], scratch[u.name] + "/images") for u in units]
+    devices = AgentDevices(hosts, by_name, r.driver.name) if r.driver.device_state else None
     with rb.phase("checkpoint"), progress.waiting("checkpointing %d units at one cut" % len(units)):
-        cut = checkpoint_units(_AgentCut(hosts, by_name, r.driver.name), targets, resume=False)
+        cut = checkpoint_units(AgentCut(hosts, by_name, r.driver.name), targets, resume=False, devices=devices)
     # Still stopped at the cut: the engines end here, before any of them sends again.
     hosts.stop_all()
     rb.details["units"] = {name: {"phases": {k: round(v, 4) for k, v in p.items()}, "host": by_name[name].host} for name, p in cut.phases.items()}
     rb.details["barriers"] = {k: round(v, 4) for k, v in cut.barriers.items()}
-    return dict(cut.dumped), files, scratch
+    # What the driver needs of each unit's devices at restore, beside what its dump recorded.
+    images = {name: image.model_copy(update={"driver_data": {**image.driver_data, **cut.devices.get(name, {})}}) for name, image in cut.dumped.items()}
+    return images, files, scratch
 
 
 def _remove(hosts: UnitHosts, units: Sequence[LaunchUnit], dirs: dict[str, str]) -> None:

@@ -1,7 +1,8 @@
 """Restore of a capsule of several units, each on its own host (``controller/units.py`` tells
-the whole story): prepare (topology, per-host admission, per-host staging, all while the
-workload it replaces still serves), then activate (stop that one, restore every unit at once,
-continue them, record them as the ranks, validate through rank 0)."""
+the whole story): prepare (topology, per-host admission with the weight path each host can
+take, per-host staging, all while the workload it replaces still serves), then activate (stop
+that one, restore every unit at once, record them as the ranks, continue them, give every
+unit its devices back and unlock them, bring the weights back and validate through rank 0)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ from sparkrun_coldsnap.capsule import capsule as capsule_mod
 from sparkrun_coldsnap.capsule import media
 from sparkrun_coldsnap.capsule.capsule import Capsule
 from sparkrun_coldsnap.capsule.store import CapsuleStore
+from sparkrun_coldsnap.controller import units_weights
 from sparkrun_coldsnap.controller.common import Resolved, ServingOutcome, finish, validate
+from sparkrun_coldsnap.controller.coordinated_restore import restore_units
 from sparkrun_coldsnap.controller.units import _parallel, _resolved, ordered, rank0_endpoint, stop_on_failure
+from sparkrun_coldsnap.controller.units_agent import AgentRestore
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder, Weights
 from sparkrun_coldsnap.documents.request import LaunchUnit, RestoreRequest
@@ -21,6 +25,7 @@ from sparkrun_coldsnap.documents.settings import Settings
 from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, RestoreError, ValidationError
 from sparkrun_coldsnap.launch.remote import UnitHosts
 from sparkrun_coldsnap.progress import QUIET, Progress
+from sparkrun_coldsnap.weights.weight_paths import WeightChoice
 
 
 @dataclass
@@ -35,6 +40,8 @@ class PreparedUnits:
     hosts: UnitHosts
     staged: dict[str, dict[str, str]] = field(default_factory=dict)
     prepare_seconds: float = 0.0
+    #: how the weights come back, when they are not in the images (decided on every host)
+    weights: WeightChoice | None = None
 
     def discard(self) -> None:
         """Remove what preparation staged on every host."""
@@ -87,7 +94,9 @@ def prepare_units(req: RestoreRequest, hosts: UnitHosts, *, store: CapsuleStore,
                 if cap.config.driver != prepared.resolved.driver.name:
                     raise CompatibilityError("capsule %s was captured with driver %s, the recipe asks for %s" % (req.capsule.ref, cap.config.driver, prepared.resolved.driver.name))
                 hosts.check_reachable(units)
-                _admit_everywhere(cap, req, hosts, units)
+                prepared.weights = _admit_everywhere(cap, req, hosts, units)
+                if prepared.weights is not None and prepared.weights.note:
+                    rb.details["weights_note"] = prepared.weights.note
             with rb.phase("prepare.stage"), progress.waiting("sending and unpacking each unit's layers on its host"):
                 prepared.staged = _parallel(units, lambda u: _stage(store, cap, hosts, u))
         except BaseException as err:
@@ -99,12 +108,15 @@ def prepare_units(req: RestoreRequest, hosts: UnitHosts, *, store: CapsuleStore,
     return prepared
 
 
-def _admit_everywhere(cap: Capsule, req: RestoreRequest, hosts: UnitHosts, units: list[LaunchUnit]) -> None:
+def _admit_everywhere(cap: Capsule, req: RestoreRequest, hosts: UnitHosts, units: list[LaunchUnit]) -> WeightChoice | None:
+    """Every unit admitted on its host (its GPUs, its PIDs, its files, its part of the weights);
+    the one weight path every host can take."""
     config, request = cap.config.model_dump(mode="json"), req.model_dump(mode="json")
     answers = _parallel(units, lambda u: hosts.agent(u, "admit", {"config": config, "request": request, "unit": u.name, "pattern": hosts.rank_pattern(u)}, timeout=300))
     refused = ["unit %s on host %s: %s" % (u.name, u.host, "; ".join(answers[u.name]["problems"])) for u in units if answers[u.name]["problems"]]
     if refused:
         raise CompatibilityError("admission refused for capsule %s: %s" % (req.capsule.ref, " | ".join(refused)))
+    return units_weights.choose(req, units, answers)
 
 
 def _stage(store: CapsuleStore, cap: Capsule, hosts: UnitHosts, u: LaunchUnit) -> dict[str, str]:
@@ -119,12 +131,11 @@ def _stage(store: CapsuleStore, cap: Capsule, hosts: UnitHosts, u: LaunchUnit) -
 
 
 def activate_units(prepared: PreparedUnits, *, progress: Progress = QUIET) -> ServingOutcome:
-    """Stop the workload being replaced, restore every unit at once, continue them, validate."""
+    """Stop the workload being replaced, restore every unit at once (devices last), bring the
+    weights back and validate through rank 0."""
     rb, req, cap, r, hosts = prepared.receipt, prepared.request, prepared.capsule, prepared.resolved, prepared.hosts
     units = ordered(req.workload)
-    images = {i.name: i for i in cap.config.units}
     roots: dict[str, int] = {}
-    seconds: dict[str, float] = {}
     try:
         with settings_mod.using(prepared.settings):
             try:
@@ -133,16 +144,12 @@ def activate_units(prepared: PreparedUnits, *, progress: Progress = QUIET) -> Se
                 if replaced:
                     rb.details["replaced_units"] = replaced
                 t0 = time.monotonic()
+                steps = AgentRestore(hosts, {i.name: i for i in cap.config.units}, {n: s["images"] for n, s in prepared.staged.items()}, r.driver.name)
                 with rb.phase("restore"), progress.waiting("restoring %d units, each on its host" % len(units)):
-                    # Every unit's outcome is waited for; each restored root is known at once, so a
-                    # failure elsewhere still ends it.
-                    _parallel(units, lambda u: _restore_one(hosts, u, images[u.name].model_dump(mode="json"), prepared.staged[u.name]["images"], roots, seconds))
-                    # Each a round trip to its host, so all hosts at once: adopted first (from
-                    # here sparkrun sees and stops them), then continued, since every tree was
-                    # restored stopped at the cut and every end of every connection is back.
-                    _parallel(units, lambda u: hosts.adopt(u, roots[u.name]))
-                    _parallel(units, lambda u: hosts.signal_group(u, roots[u.name], "CONT"))
+                    done = restore_units(steps, units, roots, devices=r.driver.device_state)
                 endpoint = rank0_endpoint(r, req.workload, hosts)
+                if prepared.weights is not None:
+                    units_weights.hydrate(r, req, cap.config, prepared.weights, endpoint, rb, progress)
                 with rb.phase("ready"):
                     r.adapter.wait_ready(endpoint, alive=hosts.alive, timeout=req.ready_timeout_seconds)
                 expected = req.validation.expected_reply or cap.config.validation.reply
@@ -151,26 +158,21 @@ def activate_units(prepared: PreparedUnits, *, progress: Progress = QUIET) -> Se
                 rb.validation = validation
                 if not validation.passed:
                     raise ValidationError("restored rank 0 replied %r, capsule %s recorded %r: the capsule does not match these hosts; recapture" % (validation.reply, req.capsule.ref, expected))
-                rb.weights = Weights(path="in-image")
+                if prepared.weights is None:
+                    rb.weights = Weights(path="in-image")
             except BaseException as err:
                 _kill_restored(hosts, units, roots)
                 stop_on_failure(rb, hosts, err, [], "every unit restored has been stopped")
                 raise
             rb.details["prepare_seconds"] = round(prepared.prepare_seconds, 4)
-            rb.details["units"] = {u.name: {"host": u.host, "root_pid": roots[u.name], "restore_seconds": round(seconds[u.name], 4)} for u in units}
+            rb.details["units"] = {
+                u.name: {"host": u.host, "root_pid": roots[u.name], "restore_seconds": round(done.phases[u.name]["restore"], 4), "phases": {k: round(v, 4) for k, v in done.phases[u.name].items()}}
+                for u in units
+            }  # fmt: skip
+            rb.details["barriers"] = {k: round(v, 4) for k, v in done.barriers.items()}
             return ServingOutcome(finish(rb, None), roots[units[0].name], validation.ttft_seconds, _NoUnit(units[0].host))
     finally:
         prepared.discard()
-
-
-def _restore_one(hosts: UnitHosts, u: LaunchUnit, image: dict, images: str, roots: dict[str, int], seconds: dict[str, float]) -> None:
-    """One unit restored on its host; its root and how long its host took, by unit name."""
-    t = time.monotonic()
-    try:
-        roots[u.name] = int(hosts.agent(u, "restore", {"image": image, "images": images, "name": hosts.rank_name(u)}, timeout=1800)["pid"])
-    except ColdsnapError as err:
-        raise RestoreError("restoring %s" % err.message) from err
-    seconds[u.name] = time.monotonic() - t
 
 
 def _kill_restored(hosts: UnitHosts, units: list[LaunchUnit], roots: dict[str, int]) -> None:

@@ -63,7 +63,11 @@ class UnitImage(Strict):
     files: tuple[RecordedFile, ...] = Field((), description="Regular files the tree mapped or held open at capture (host processes), compared by admission before a restore.")
     driver_data: dict[str, Any] = Field(
         default_factory=dict,
-        description="What the driver needs to restore the unit; n610: cuda_pids, gpu_uuids (the GPUs the workload used), host_gpu_uuids (every GPU of the capture host), driver_version.",
+        description=(
+            "What the driver needs to restore the unit; n610: cuda_pids, gpu_uuids (the GPUs the workload used), host_gpu_uuids (every GPU of the capture host), "
+            "driver_version; a unit of a workload on several hosts: peer_connections (it holds connections to other hosts' units), native_files (the files of the "
+            "native weight payload its host holds)."
+        ),
     )
 
 
@@ -87,6 +91,14 @@ class SnapshotDriver(ABC):
     #: captured PIDs, shared-memory names and port need not be free on the host, and the
     #: recipe's port may differ from the captured one (it is forwarded).
     own_namespaces: ClassVar[bool] = False
+    #: a workload placed on several hosts can be captured and restored with this driver: each
+    #: unit's steps run on its own host (``integration/unit_agent.py``) around one cut across
+    #: every host (``controller/coordinated_checkpoint.py``).
+    across_hosts: ClassVar[bool] = False
+    #: besides the process images, the unit has device state that the driver's own calls move
+    #: to host memory and back (n610: the CUDA checkpoint API). A cut across hosts then locks
+    #: every unit's devices, checkpoints them all, and only then dumps any unit.
+    device_state: ClassVar[bool] = False
 
     @property
     def checkpoints_serving(self) -> bool:
@@ -172,6 +184,35 @@ class SnapshotDriver(ABC):
         *warm* is what ``warm_up`` returned; the restore owns it from then on.
         """
 
+    # -- a unit's device state, step by step (a cut across hosts; ``device_state``) ----
+    # Each step runs on the unit's own host. The coordinator calls a step on every unit before
+    # it calls the next step on any, so no device is checkpointed while a peer still computes.
+
+    def lock_devices(self, root_pid: int) -> dict[str, Any]:
+        """Lock every device user of the tree at *root_pid* (work in flight completes, new work
+        waits); what a restore needs of them (the unit's ``driver_data``). On failure the ones
+        locked are let go again before the error goes on."""
+        return {}
+
+    def checkpoint_devices(self, data: dict[str, Any]) -> None:
+        """Move the locked device state of *data*'s processes into host memory; on failure every
+        one of them is put back to running before the error goes on."""
+
+    def resume_devices(self, data: dict[str, Any], *, state: str) -> list[str]:
+        """Put *data*'s processes back to running after a cut that failed. *state* is what the
+        coordinator knows of them: ``locked``, ``checkpointed``, or ``unknown`` (a step that
+        failed or did not answer: each process is then settled by what the driver reports).
+        The problems, one per process that could not be put back."""
+        return []
+
+    def restore_devices(self, data: dict[str, Any], *, visible: str | None = None) -> None:
+        """Give *data*'s processes (restored by CRIU, running again) their devices back, still
+        locked; *visible* picks this host's devices as ``CUDA_VISIBLE_DEVICES`` does (None: the
+        plugin's own setting)."""
+
+    def unlock_devices(self, data: dict[str, Any]) -> None:
+        """Let *data*'s processes use their devices again (after every unit's restore)."""
+
     # -- container launch units (the engine in a Docker container) ------------
 
     def checkpoint_container(self, unit: Any, images: Path, *, unit_name: str, host: str, spec: Any, progress: Progress) -> UnitImage:
@@ -200,4 +241,5 @@ class SnapshotDriver(ABC):
             "weights": "in-image" if self.weights_in_image else "external",
             "available_here": s.ok,
             "reason": s.reason,
+            "across_hosts": self.across_hosts,
         }

@@ -35,6 +35,7 @@ class CpuDriver(CriuDriver):
     summary = "CRIU process-tree capture for CPU engines; weights inside the process images"
     weights_in_image = True
     own_namespaces = True
+    across_hosts = True
 
     def support(self, host: HostFacts) -> Support:
         if platform.system() != "Linux":

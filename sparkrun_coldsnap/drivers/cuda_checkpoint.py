@@ -193,8 +193,16 @@ def _name(pid: int) -> str:
 
 def checkpoint_all(api: CheckpointApi, pids: Sequence[int], *, timeout_ms: int = LOCK_TIMEOUT_MS) -> None:
     """Lock all, then checkpoint all; on failure put every process back to running."""
+    lock_all(api, pids, timeout_ms=timeout_ms)
+    checkpoint_locked(api, pids)
+
+
+def lock_all(api: CheckpointApi, pids: Sequence[int], *, timeout_ms: int = LOCK_TIMEOUT_MS) -> None:
+    """Lock every process of *pids*; on failure every one is put back to running first.
+
+    The first half of :func:`checkpoint_all`; a cut across hosts locks every host's
+    processes before any host checkpoints (``controller/coordinated_checkpoint.py``)."""
     locked: list[int] = []
-    done: list[int] = []
     try:
         for pid in pids:
             try:
@@ -204,6 +212,16 @@ def checkpoint_all(api: CheckpointApi, pids: Sequence[int], *, timeout_ms: int =
                     "cannot lock CUDA process %s within %d ms (%s): is it stuck in a kernel or a collective, or does it share device memory with a process already locked? the workload was left running" % (_name(pid), timeout_ms, err)
                 ) from err
             locked.append(pid)
+    except CaptureError as err:
+        _roll_back(err, api, pids, locked=locked, checkpointed=[])
+        raise
+
+
+def checkpoint_locked(api: CheckpointApi, pids: Sequence[int]) -> None:
+    """Checkpoint every process of *pids*, all locked already; on failure every one is put
+    back to running (restored where it was checkpointed, then unlocked) first."""
+    done: list[int] = []
+    try:
         for pid in pids:
             try:
                 api.checkpoint(pid)
@@ -211,10 +229,14 @@ def checkpoint_all(api: CheckpointApi, pids: Sequence[int], *, timeout_ms: int =
                 raise CaptureError("CUDA checkpoint of process %s failed (%s); the workload was left running" % (_name(pid), err)) from err
             done.append(pid)
     except CaptureError as err:
-        problems = resume_all(api, pids, locked=locked, checkpointed=done)
-        if problems:
-            err.args = ("%s; rolling back also failed: %s" % (err, "; ".join(problems)),)
+        _roll_back(err, api, pids, locked=pids, checkpointed=done)
         raise
+
+
+def _roll_back(err: CaptureError, api: CheckpointApi, pids: Sequence[int], *, locked: Sequence[int], checkpointed: Sequence[int]) -> None:
+    problems = resume_all(api, pids, locked=locked, checkpointed=checkpointed)
+    if problems:
+        err.args = ("%s; rolling back also failed: %s" % (err, "; ".join(problems)),)
 
 
 @runtime_checkable
@@ -283,6 +305,25 @@ def restore_all(api: CheckpointApi, pids: Sequence[int], pairs: Sequence[tuple[s
     except CudaCallError as err:
         pid = err.pid if err.pid is not None else (pids[0] if pids else 0)
         raise RestoreError("CUDA %s of process %s failed (%s, state %s)" % (err.op or "restore", _name(pid), err, _state(api, pid))) from err
+
+
+def restore_each(api: CheckpointApi, pids: Sequence[int], pairs: Sequence[tuple[str, str]] = ()) -> None:
+    """Every process back on its GPU, still locked: the first half of a restore across hosts,
+    which unlocks no host's processes before every host restored its own (one host's tree
+    goes through :func:`restore_all`)."""
+    for pid in pids:
+        try:
+            api.restore(pid, pairs)
+        except CudaCallError as err:
+            raise RestoreError("CUDA restore of process %s failed (%s, state %s)" % (_name(pid), err, _state(api, pid))) from err
+
+
+def unlock_each(api: CheckpointApi, pids: Sequence[int]) -> None:
+    for pid in pids:
+        try:
+            api.unlock(pid)
+        except CudaCallError as err:
+            raise RestoreError("CUDA unlock of process %s failed (%s, state %s)" % (_name(pid), err, _state(api, pid))) from err
 
 
 def _state(api: CheckpointApi, pid: int) -> str:

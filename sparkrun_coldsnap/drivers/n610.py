@@ -13,14 +13,13 @@ holding one.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import psutil
-
 from sparkrun_coldsnap.documents import settings
-from sparkrun_coldsnap.drivers import criu_tree, cuda_checkpoint, gpu_ranks, nvidia, tree_inspect
+from sparkrun_coldsnap.drivers import criu_tree, cuda_checkpoint, cuda_units, gpu_ranks, nvidia, tree_inspect
 from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, Support, UnitImage
 from sparkrun_coldsnap.drivers.criu_driver import CriuDriver
 from sparkrun_coldsnap.drivers.criu_tool import Criu
@@ -45,6 +44,8 @@ class N610Driver(CriuDriver):
     summary = "initialized CUDA process: CUDA checkpoint API + CRIU, weights released before capture and hydrated after restore"
     weights_in_image = False
     needs_release = True
+    across_hosts = True
+    device_state = True
 
     def support(self, host: HostFacts) -> Support:
         problem = nvidia.checkpoint_api_problem(host)
@@ -73,11 +74,7 @@ class N610Driver(CriuDriver):
             raise CaptureError("no process of the workload holds a CUDA context: is the engine running on the GPU?")
         api = cuda_checkpoint.HelperProcess()
         try:
-            # Record the GPUs the workload uses (those its CUDA_VISIBLE_DEVICES shows and it holds
-            # memory on), so a restore can put it back on those or remap it onto others.
-            every = api.uuids()
-            visible = cuda_checkpoint.visible_uuids(psutil.Process(root_pid).environ().get("CUDA_VISIBLE_DEVICES"), every)
-            uuids = cuda_checkpoint.workload_gpus(visible, nvidia.gpus_of(pids))
+            uuids, every = cuda_units.workload_gpus(api, root_pid, pids)
             progress("CUDA checkpoint of %d processes" % len(cuda))
             # Every rank locked, then every one checkpointed, then the dump; any failure puts
             # every one back to running, so the workload stays as it was.
@@ -131,6 +128,28 @@ class N610Driver(CriuDriver):
         finally:
             api.close()
         return RestoredUnit(pid, handed)
+
+    # -- one unit of a workload on several hosts, step by step on its host (cuda_units.py) ----
+
+    def lock_devices(self, root_pid: int) -> dict[str, Any]:
+        with _helper() as api:
+            return cuda_units.lock(api, root_pid)
+
+    def checkpoint_devices(self, data: dict[str, Any]) -> None:
+        with _helper() as api:
+            cuda_units.checkpoint(api, data)
+
+    def resume_devices(self, data: dict[str, Any], *, state: str) -> list[str]:
+        with _helper() as api:
+            return cuda_units.resume(api, data, state=state)
+
+    def restore_devices(self, data: dict[str, Any], *, visible: str | None = None) -> None:
+        with _helper() as api:
+            cuda_units.restore(api, data, visible=visible if visible is not None else settings.current().cuda_visible_devices)
+
+    def unlock_devices(self, data: dict[str, Any]) -> None:
+        with _helper() as api:
+            cuda_units.unlock(api, data)
 
     # -- the engine in a Docker container (launch/gpu_container.py says how) --------
 
@@ -188,8 +207,22 @@ class N610Driver(CriuDriver):
             "aarch64": "driver >= %d" % nvidia.MIN_ARM,
             "cuda_ipc": "needs driver >= %d with processes started under the driver's checkpoint job file; unqualified: no such driver was available" % nvidia.IPC_MIN,
             "several_ranks": "tensor/pipeline parallel > 1 in one unit: ranks launched with NCCL over sockets, no shared device memory; ordering tested against a fake of the API, not run on two GPUs (docs/gpu-ranks.md)",
+            "several_hosts": (
+                "a workload sparkrun placed on several hosts (one unit per host, NCCL over sockets between them): every unit's CUDA processes locked, then "
+                "checkpointed, then every unit dumped at one cut, each step on its own host; tested with real sparkrun, real CRIU and two hosts made of network "
+                "namespaces on a CPU machine, against fake CUDA driver bindings, fake GPUs and a fake tensor-parallel engine; not run on two GPU hosts (none was available)"
+            ),
         }
         return out
+
+
+@contextlib.contextmanager
+def _helper() -> Iterator[cuda_checkpoint.HelperProcess]:
+    api = cuda_checkpoint.HelperProcess()
+    try:
+        yield api
+    finally:
+        api.close()
 
 
 @hookimpl

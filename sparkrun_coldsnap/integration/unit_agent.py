@@ -19,7 +19,15 @@ which a dump that leaves the tree running removes again), ``pack`` (zero pages l
 (admission of one unit with this host's own fingerprint), ``inbox`` and ``stage`` (layers
 received, verified and unpacked), ``restore``, ``adopt`` (a restored tree recorded as the
 rank, so sparkrun's ``status``/``stop`` find it), ``io_uring_off``/``io_uring_back``,
-``remove``, ``drop_page_cache`` (before a benchmark's sample).
+``remove``, ``drop_page_cache`` (before a benchmark's sample), ``capture_facts`` (whether the
+driver can capture here, and this host's fingerprint of the workload).
+
+For drivers with device state apart from the images (n610), each step of the cut on the
+unit's devices is a verb of its own, so the coordinator can take every host through one step
+before any host takes the next: ``devices_lock``, ``devices_checkpoint``, ``devices_resume``
+(after a failed cut), ``devices_restore``, ``devices_unlock``. A native weight payload written
+by ranks on several hosts is staged, recorded and placed on each host: ``native_staging``,
+``native_part``, ``native_place`` (``weights/native_parts.py``).
 """
 
 from __future__ import annotations
@@ -95,6 +103,7 @@ def admit(doc: dict[str, Any]) -> dict[str, Any]:
     from sparkrun_coldsnap.documents.request import RestoreRequest
     from sparkrun_coldsnap.drivers import criu_tree
     from sparkrun_coldsnap.host.process_tree import tree_pids
+    from sparkrun_coldsnap.weights import native_parts
 
     cfg = CapsuleConfig.model_validate(doc["config"])
     req = RestoreRequest.model_validate(doc["request"])
@@ -102,11 +111,18 @@ def admit(doc: dict[str, Any]) -> dict[str, Any]:
     r = resolve(req.workload, settings_mod.current())
     here = r.fingerprint(req.workload, r.driver.checkpoint_tool_version())
     replacing = frozenset(p for _, leader in _recorded(str(doc["pattern"])) for p in tree_pids(leader))
-    problems, _ = admission(cfg.model_copy(update={"units": (unit,)}), req, here, r.driver, r.adapter, replacing=replacing)
+    weights = cfg.weights
+    if weights.native is not None and unit.driver_data.get("native_files") is not None:
+        # This host holds the payload files its own ranks wrote, not the other hosts'.
+        weights = weights.model_copy(update={"native": native_parts.only(weights.native, unit.driver_data["native_files"])})
+    problems, choice = admission(cfg.model_copy(update={"units": (unit,), "weights": weights}), req, here, r.driver, r.adapter, replacing=replacing)
     # Restored into this host's namespaces (the ranks reach each other at the captured
     # addresses): the captured PIDs and shared files must be free here.
-    problems += criu_tree.restore_problems(unit, replacing=replacing)
-    return {"problems": problems}
+    problems += [p for p in criu_tree.restore_problems(unit, replacing=replacing) if p not in problems]
+    answer: dict[str, Any] = {"problems": problems}
+    if choice is not None:
+        answer["weights"] = {"path": choice.path, "native_dir": str(choice.native_dir) if choice.native_dir else None, "note": choice.note}
+    return answer
 
 
 def _recorded(pattern: str) -> list[tuple[str, int]]:
@@ -197,6 +213,75 @@ def adopt(doc: dict[str, Any]) -> dict[str, Any]:
     return {"pidfile": str(register_local(str(doc["name"]), int(doc["pid"])))}
 
 
+def capture_facts(doc: dict[str, Any]) -> dict[str, Any]:
+    """Whether the request's driver can capture on this host, and this host's fingerprint of the
+    workload (what a capsule records and every host's admission compares with its own)."""
+    from sparkrun_coldsnap.controller.common import resolve
+    from sparkrun_coldsnap.documents import settings as settings_mod
+    from sparkrun_coldsnap.documents.request import CaptureRequest
+    from sparkrun_coldsnap.host.facts import host_facts
+
+    req = CaptureRequest.model_validate(doc["request"])
+    r = resolve(req.workload, settings_mod.current())
+    support = r.driver.support(host_facts())
+    fingerprint = r.fingerprint(req.workload, r.driver.checkpoint_tool_version())
+    return {"supported": support.ok, "reason": support.reason, "fingerprint": fingerprint.model_dump(mode="json")}
+
+
+def _driver(doc: dict[str, Any]) -> Any:
+    from sparkrun_coldsnap import extensions
+
+    return extensions.registry().driver(str(doc["driver"]))
+
+
+def devices_lock(doc: dict[str, Any]) -> dict[str, Any]:
+    """Lock the device users of the unit's tree (a cut across hosts: every unit before any checkpoint)."""
+    return {"data": _driver(doc).lock_devices(int(doc["root_pid"]))}
+
+
+def devices_checkpoint(doc: dict[str, Any]) -> dict[str, Any]:
+    _driver(doc).checkpoint_devices(dict(doc["data"]))
+    return {}
+
+
+def devices_resume(doc: dict[str, Any]) -> dict[str, Any]:
+    """After a cut that failed: the unit's device users back to running; what could not be."""
+    return {"problems": _driver(doc).resume_devices(dict(doc["data"]), state=str(doc["state"]))}
+
+
+def devices_restore(doc: dict[str, Any]) -> dict[str, Any]:
+    _driver(doc).restore_devices(dict(doc["data"]), visible=doc.get("visible"))
+    return {}
+
+
+def devices_unlock(doc: dict[str, Any]) -> dict[str, Any]:
+    _driver(doc).unlock_devices(dict(doc["data"]))
+    return {}
+
+
+def native_staging(doc: dict[str, Any]) -> dict[str, Any]:
+    """The directory the engine's ranks on this host write their native payload into."""
+    from sparkrun_coldsnap.weights import native_parts
+
+    return {"path": str(native_parts.staging(str(doc["token"])))}
+
+
+def native_part(doc: dict[str, Any]) -> dict[str, Any]:
+    """The payload files the ranks of this host wrote into the staging directory."""
+    from sparkrun_coldsnap.weights import native_parts
+
+    return {"files": [f.model_dump(mode="json") for f in native_parts.part(Path(doc["path"]))]}
+
+
+def native_place(doc: dict[str, Any]) -> dict[str, Any]:
+    """This host's part moved under the whole payload's digest; its directory."""
+    from sparkrun_coldsnap.capsule.config import NativePayload
+    from sparkrun_coldsnap.weights import native_parts
+
+    record = NativePayload.model_validate(doc["record"])
+    return {"directory": str(native_parts.place(Path(doc["path"]), record, [str(n) for n in doc["names"]]))}
+
+
 def io_uring_off(doc: dict[str, Any]) -> dict[str, Any]:
     from sparkrun_coldsnap.host.iouring import hold_off
 
@@ -227,7 +312,10 @@ def remove(doc: dict[str, Any]) -> dict[str, Any]:
 VERBS: dict[str, Verb] = {
     "root": root, "recorded": recorded, "files": files, "dump": dump, "pack": pack, "admit": admit, "inbox": inbox, "stage": stage,
     "restore": restore, "adopt": adopt, "io_uring_off": io_uring_off, "io_uring_back": io_uring_back, "remove": remove,
-    "drop_page_cache": drop_page_cache,
+    "drop_page_cache": drop_page_cache, "capture_facts": capture_facts,
+    "devices_lock": devices_lock, "devices_checkpoint": devices_checkpoint, "devices_resume": devices_resume,
+    "devices_restore": devices_restore, "devices_unlock": devices_unlock,
+    "native_staging": native_staging, "native_part": native_part, "native_place": native_place,
 }  # fmt: skip
 
 

@@ -9,6 +9,11 @@ GPU's device file open, its kernels wait while it is locked or checkpointed, it 
 of the device file when checkpointed and opens it again, on the GPU the restore's pairs
 name, when restored; a GPU that is gone leaves it FAILED.
 
+A test can tell the fake host's checkpoints or restores to fail
+(:func:`fake_gpu_state.tell_to_fail`): the process then answers the CUDA error it was told,
+before anything moved, and stays where it was (locked; checkpointed), as when the memory that
+would hold its device state cannot be had.
+
 Device memory shared with another process (CUDA IPC: what NCCL's P2P transport and the
 engines' custom all-reduce kernels set up, :meth:`FakeCudaContext.share_with`) is what
 the driver's checkpoint cannot carry before driver 610: a call on such a process does not
@@ -74,13 +79,29 @@ class FakeCudaContext:
         return op == "checkpoint" and any(st == "running" for st in states)
 
     def _answer_driver(self) -> None:
+        path = gpu.request_path(self.pid)
+        seen: tuple[int, int, int] | None = None
+        pending: dict | None = None
         while True:
-            req = gpu.read_json(gpu.request_path(self.pid))
-            if req is not None and req["id"] != self.answered and not self._blocked(req["op"]):
-                result = self._carry_out(req)
-                self.answered = req["id"]
+            # The request file is opened only when a new one came. CRIU freezes the process at
+            # any instruction; a request file it found open would be restored only if its size
+            # were the same then, and the driver writes the next request in its place.
+            try:
+                st = os.stat(path)
+                mark: tuple[int, int, int] | None = (st.st_ino, st.st_mtime_ns, st.st_size)
+            except FileNotFoundError:
+                mark = None
+            if mark is not None and mark != seen:
+                seen = mark
+                req = gpu.read_json(path)
+                if req is not None and req["id"] != self.answered:
+                    pending = req
+            if pending is not None and not self._blocked(pending["op"]):
+                result = self._carry_out(pending)
+                self.answered = pending["id"]
                 self._report()
-                gpu.write_json(gpu.answer_path(self.pid), {"id": req["id"], "result": result, "state": self.state})
+                gpu.write_json(gpu.answer_path(self.pid), {"id": pending["id"], "result": result, "state": self.state})
+                pending = None
             time.sleep(0.005)
 
     def _carry_out(self, req: dict) -> str:
@@ -101,12 +122,18 @@ class FakeCudaContext:
                     self.cond.wait(left)
             return "CUDA_SUCCESS"
         if op == "checkpoint" and self.state == "locked":
+            told = gpu.told_to_fail("checkpoint")
+            if told:
+                return told  # refused before anything moved: still locked, as it was
             assert self.fd is not None
             os.close(self.fd)  # device memory now lives in host memory; the handles go
             self.fd = None
             self.state = "checkpointed"
             return "CUDA_SUCCESS"
         if op == "restore" and self.state == "checkpointed":
+            told = gpu.told_to_fail("restore")
+            if told:
+                return told  # refused before anything moved: still checkpointed
             after = self._remap(req["pairs"])
             if after is None:
                 return "CUDA_ERROR_INVALID_VALUE"

@@ -11,6 +11,9 @@ talks to it through the kernel module; here both sides meet in files under
   The process's checkpoint state lives in the process, as libcuda's does (a process
   restored from images is in the state it was dumped in); a thread of the process carries
   out each call on it and answers, as libcuda does for the real driver;
+* ``fail-<op>``: while it exists, every process of this host answers *op* (``checkpoint``,
+  ``restore``)
+  with the CUDA error it names (a test's fault, on one host only);
 * ``proc-<pid>.json``: what the process last reported (state, GPUs, every GPU of the host
   it started on), for ``nvidia-smi`` and for tests to read.
 """
@@ -65,6 +68,21 @@ def request_path(pid: int) -> Path:
 
 def answer_path(pid: int) -> Path:
     return root() / ("ans-%d.json" % pid)
+
+
+def tell_to_fail(op: str, error: str, directory: Path | None = None) -> Path:
+    """Every process of the host in *directory* (default: this one's) answers *op* with *error*
+    until the returned file is removed."""
+    path = (directory or root()) / ("fail-%s" % op)
+    path.write_text(error)
+    return path
+
+
+def told_to_fail(op: str) -> str | None:
+    try:
+        return (root() / ("fail-%s" % op)).read_text().strip() or None
+    except FileNotFoundError:
+        return None
 
 
 def make_host(directory: Path, chips: list[str]) -> list[dict]:

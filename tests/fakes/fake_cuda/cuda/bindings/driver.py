@@ -43,6 +43,7 @@ import fake_gpu_state as gpu
 class CUresult(enum.IntEnum):
     CUDA_SUCCESS = 0
     CUDA_ERROR_INVALID_VALUE = 1
+    CUDA_ERROR_OUT_OF_MEMORY = 2
     CUDA_ERROR_NOT_INITIALIZED = 3
     CUDA_ERROR_INVALID_DEVICE = 101
     CUDA_ERROR_ILLEGAL_STATE = 401

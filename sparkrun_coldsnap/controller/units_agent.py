@@ -1,0 +1,110 @@
+"""The coordinated checkpoint's and restore's steps, each on the unit's host through its agent.
+
+``coordinated_checkpoint`` and ``coordinated_restore`` say in which order the steps run over
+the units; these classes say how one step reaches one unit: a verb of
+``integration/unit_agent.py`` run on the unit's host (``UnitHosts.agent``), or a signal to the
+unit's process group there. A failure names the step, the unit and its host in one line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sparkrun_coldsnap.controller.coordinated_checkpoint import UnitOnHost
+from sparkrun_coldsnap.documents.request import LaunchUnit
+from sparkrun_coldsnap.drivers.base import UnitImage
+from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, RestoreError
+from sparkrun_coldsnap.launch.remote import UnitHosts
+
+#: seconds an agent may take for one device step: a lock waits for work in flight (its own
+#: timeout, per process), a checkpoint or restore copies device memory (minutes for large ones)
+DEVICE_STEP_SECONDS = {"devices_lock": 900.0, "devices_checkpoint": 1800.0, "devices_resume": 1800.0, "devices_restore": 1800.0, "devices_unlock": 300.0}
+
+
+class AgentCut:
+    """The cut's steps on each unit's process tree (``coordinated_checkpoint.Cut``)."""
+
+    def __init__(self, hosts: UnitHosts, units: dict[str, LaunchUnit], driver: str) -> None:
+        self.hosts, self.units, self.driver = hosts, units, driver
+
+    def stop(self, u: UnitOnHost) -> None:
+        self.hosts.signal_group(self.units[u.unit], u.root_pid, "STOP")
+
+    def resume(self, u: UnitOnHost) -> None:
+        self.hosts.signal_group(self.units[u.unit], u.root_pid, "CONT")
+
+    def dump(self, u: UnitOnHost) -> UnitImage:
+        doc = {"root_pid": u.root_pid, "images": u.images, "unit": u.unit, "host": u.host, "driver": self.driver}
+        try:
+            answer = self.hosts.agent(self.units[u.unit], "dump", doc, timeout=1800)
+        except ColdsnapError as err:
+            raise CaptureError("dumping %s" % err.message) from err
+        return UnitImage.model_validate(answer["image"])
+
+    def discard(self, u: UnitOnHost) -> None:
+        self.hosts.agent(self.units[u.unit], "remove", {"paths": [u.images]}, timeout=300)
+
+
+class AgentDevices:
+    """The cut's steps on each unit's device state (``coordinated_checkpoint.DeviceSteps``);
+    keeps what each unit's lock recorded, which every later step of that unit is given."""
+
+    def __init__(self, hosts: UnitHosts, units: dict[str, LaunchUnit], driver: str) -> None:
+        self.hosts, self.units, self.driver = hosts, units, driver
+        self.data: dict[str, dict[str, Any]] = {}
+
+    def _step(self, unit: LaunchUnit, verb: str, doc: dict[str, Any], what: str) -> dict[str, Any]:
+        try:
+            return self.hosts.agent(unit, verb, {"driver": self.driver, **doc}, timeout=DEVICE_STEP_SECONDS[verb])
+        except ColdsnapError as err:
+            raise CaptureError("%s %s" % (what, err.message)) from err
+
+    def lock(self, u: UnitOnHost) -> dict[str, Any]:
+        data = dict(self._step(self.units[u.unit], "devices_lock", {"root_pid": u.root_pid}, "locking the devices of")["data"])
+        self.data[u.unit] = data
+        return data
+
+    def checkpoint(self, u: UnitOnHost) -> None:
+        self._step(self.units[u.unit], "devices_checkpoint", {"data": self.data[u.unit]}, "checkpointing the devices of")
+
+    def put_back(self, u: UnitOnHost, state: str) -> list[str]:
+        # A unit whose lock did not answer has no record here: its host finds the tree's
+        # device users again from the root (a lock never closes their device files).
+        data = {"root_pid": u.root_pid, **self.data.get(u.unit, {})}
+        return [str(p) for p in self._step(self.units[u.unit], "devices_resume", {"data": data, "state": state}, "putting back the devices of")["problems"]]
+
+
+class AgentRestore:
+    """The restore's steps on each unit (``coordinated_restore.RestoreSteps``), from the images
+    each host staged."""
+
+    def __init__(self, hosts: UnitHosts, images: dict[str, UnitImage], staged: dict[str, str], driver: str) -> None:
+        self.hosts, self.images, self.staged, self.driver = hosts, images, staged, driver
+
+    def restore(self, u: LaunchUnit) -> int:
+        doc = {"image": self.images[u.name].model_dump(mode="json"), "images": self.staged[u.name], "name": self.hosts.rank_name(u)}
+        try:
+            return int(self.hosts.agent(u, "restore", doc, timeout=1800)["pid"])
+        except ColdsnapError as err:
+            raise RestoreError("restoring %s" % err.message) from err
+
+    def adopt(self, u: LaunchUnit, root: int) -> None:
+        self.hosts.adopt(u, root)
+
+    def resume(self, u: LaunchUnit, root: int) -> None:
+        self.hosts.signal_group(u, root, "CONT")
+
+    def _device_step(self, u: LaunchUnit, verb: str, what: str, **extra: Any) -> None:
+        doc = {"driver": self.driver, "data": self.images[u.name].driver_data, **extra}
+        try:
+            self.hosts.agent(u, verb, doc, timeout=DEVICE_STEP_SECONDS[verb])
+        except ColdsnapError as err:
+            raise RestoreError("%s %s" % (what, err.message)) from err
+
+    def restore_devices(self, u: LaunchUnit) -> None:
+        # The GPUs placement gave the unit on its host, when it named them (the CUDA_VISIBLE_DEVICES
+        # its rank is started with); else the host's own setting picks them.
+        self._device_step(u, "devices_restore", "restoring the devices of", visible=",".join(u.devices) or None)
+
+    def unlock_devices(self, u: LaunchUnit) -> None:
+        self._device_step(u, "devices_unlock", "unlocking the devices of")

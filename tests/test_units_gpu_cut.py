@@ -1,0 +1,243 @@
+"""The n610 driver's cut across hosts: the order of the CUDA checkpoint calls over every unit of
+a workload on several hosts, and what a failure on one host does to every host.
+
+The controller's real steps run here (``coordinated_checkpoint``, ``coordinated_restore`` and
+the agent-backed steps of ``controller/units_agent.py``) over ``FakeHosts``: two FAKE hosts
+whose agent verbs call the n610 driver's own per-host functions (``drivers/cuda_units.py``)
+on a FAKE of the checkpoint API per host. The fake is as strict as the driver in what
+matters to the order: illegal transitions fail (``FakeCheckpointApi``), and a process that is
+stopped (SIGSTOP) answers no call, since the driver's calls are carried out by the process's
+own threads. The same steps run through real hosts, real CRIU and the fake CUDA driver
+bindings in ``test_two_node_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_cuda_checkpoint import FakeCheckpointApi
+
+from sparkrun_coldsnap.controller.coordinated_checkpoint import UnitOnHost, checkpoint_units
+from sparkrun_coldsnap.controller.coordinated_restore import restore_units
+from sparkrun_coldsnap.controller.units_agent import AgentCut, AgentDevices, AgentRestore
+from sparkrun_coldsnap.documents.request import LaunchUnit
+from sparkrun_coldsnap.drivers import cuda_checkpoint, cuda_units
+from sparkrun_coldsnap.drivers.base import UnitImage
+from sparkrun_coldsnap.errors import CaptureError, RestoreError, ToolError
+
+# Each host runs one unit: its root (the API server or the headless launcher) and a rank, each
+# with a CUDA context, as a tensor-parallel engine with one rank per host has.
+PIDS = {"a": [100, 101], "b": [200, 201]}
+UNITS = [LaunchUnit(name="rank-0", host="a", rank=0), LaunchUnit(name="rank-1", host="b", rank=1)]
+
+
+class HostApi(FakeCheckpointApi):
+    """The checkpoint API of one FAKE host: a stopped process answers nothing."""
+
+    def __init__(self, pids, **kw):
+        super().__init__(pids, **kw)
+        self.stopped = False
+        self.gone = False
+
+    def _step(self, op, pid, want, to):
+        self._answering(op, pid)
+        super()._step(op, pid, want, to)
+
+    def state(self, pid):
+        self._answering("state", pid)
+        return super().state(pid)
+
+    def _answering(self, op, pid):
+        if self.gone:
+            raise cuda_checkpoint.CudaCallError("CUDA_ERROR_NOT_FOUND")
+        if self.stopped:
+            raise cuda_checkpoint.CudaCallHung("no answer to %s of process %d: it is stopped" % (op, pid))
+
+
+class FakeHosts:
+    """Two FAKE hosts as ``UnitHosts``: each agent verb the steps use, on that host's fake API,
+    every call logged as (what, host) in one order."""
+
+    def __init__(self, *, fail_verb: tuple[str, str] | None = None, dead: str | None = None, **api_failures):
+        self.api = {h: HostApi(p, fail=api_failures.get(h)) for h, p in PIDS.items()}
+        self.log: list[tuple[str, str]] = []
+        self.fail_verb = fail_verb  # (verb, host): the agent answers an error there
+        self.dead = dead  # a host that stops answering at its first device step
+
+    def agent(self, unit, verb, doc, *, timeout=900.0):
+        host, api = unit.host, self.api[unit.host]
+        self.log.append((verb, host))
+        if self.dead == host and verb.startswith("devices_"):
+            raise ToolError("unit %s on host %s: step %s gave no answer (ssh to %s failed)" % (unit.name, host, verb, host))
+        if self.fail_verb == (verb, host):
+            raise ToolError("unit %s on host %s: criu dump of pid %d failed: killed" % (unit.name, host, PIDS[host][0]))
+        try:
+            return self._carry_out(verb, doc, host, api)
+        except (CaptureError, RestoreError) as err:
+            raise ToolError("unit %s on host %s: %s" % (unit.name, host, err.message)) from err
+
+    def _carry_out(self, verb, doc, host, api):
+        if verb == "devices_lock":
+            cuda_checkpoint.lock_all(api, PIDS[host])
+            return {"data": {"cuda_pids": PIDS[host], "gpu_uuids": ["GPU-%s" % host], "host_gpu_uuids": ["GPU-%s" % host]}}
+        if verb == "devices_checkpoint":
+            cuda_units.checkpoint(api, doc["data"])
+            return {}
+        if verb == "devices_resume":
+            data = doc["data"] if doc["data"].get("cuda_pids") else {**doc["data"], "cuda_pids": PIDS[host]}
+            return {"problems": cuda_units.resume(api, data, state=doc["state"])}
+        if verb == "devices_restore":
+            api.uuids = lambda h=host: ["GPU-%s" % h]  # type: ignore[method-assign]
+            cuda_units.restore(api, doc["data"], visible=doc.get("visible"))
+            return {}
+        if verb == "devices_unlock":
+            cuda_units.unlock(api, doc["data"])
+            return {}
+        if verb == "dump":
+            api.gone = not doc.get("leave_running")  # a capture's dump ends the tree
+            return {"image": image(host).model_dump(mode="json")}
+        if verb == "restore":  # CRIU: the tree back, stopped at the cut, its processes checkpointed
+            api.gone, api.stopped = False, True
+            api.states = dict.fromkeys(PIDS[host], "checkpointed")
+            return {"pid": PIDS[host][0]}
+        if verb == "remove":
+            return {}
+        raise AssertionError("verb %s is not one the cut uses" % verb)
+
+    def signal_group(self, unit, pid, signal):
+        self.log.append((signal, unit.host))
+        if signal in ("STOP", "CONT"):
+            self.api[unit.host].stopped = signal == "STOP"
+
+    def adopt(self, unit, pid):
+        self.log.append(("adopt", unit.host))
+
+    def rank_name(self, unit):
+        return "cluster_node_%d" % unit.rank
+
+    def states(self) -> dict[str, list[str]]:
+        return {h: [api.states[p] for p in PIDS[h]] for h, api in self.api.items()}
+
+
+def image(host: str) -> UnitImage:
+    pids = tuple(PIDS[host])
+    return UnitImage(name="rank-0" if host == "a" else "rank-1", host=host, driver="n610", root_pid=pids[0], pids=pids, pid_namespace=False,
+                     driver_data={"cuda_pids": list(pids), "gpu_uuids": ["GPU-%s" % host], "host_gpu_uuids": ["GPU-%s" % host]})  # fmt: skip
+
+
+def cut(hosts: FakeHosts, *, resume: bool = False):
+    by_name = {u.name: u for u in UNITS}
+    targets = [UnitOnHost(u.name, u.host, PIDS[u.host][0], "/images/%s" % u.name) for u in UNITS]
+    return checkpoint_units(AgentCut(hosts, by_name, "n610"), targets, resume=resume, devices=AgentDevices(hosts, by_name, "n610"))
+
+
+def positions(log, what) -> list[int]:
+    return [i for i, (step, _) in enumerate(log) if step == what]
+
+
+def test_every_unit_is_locked_before_any_checkpoint_and_every_checkpoint_comes_before_any_stop_or_dump():
+    hosts = FakeHosts()
+    done = cut(hosts)
+    log = hosts.log
+    locks, checkpoints, stops, dumps = (positions(log, s) for s in ("devices_lock", "devices_checkpoint", "STOP", "dump"))
+    assert len(locks) == len(checkpoints) == len(stops) == len(dumps) == 2
+    assert max(locks) < min(checkpoints) and max(checkpoints) < min(stops) and max(stops) < min(dumps)
+    assert not positions(log, "CONT") and not positions(log, "devices_resume")  # a capture's dumps end the trees
+    assert done.devices == {"rank-0": {"cuda_pids": [100, 101], "gpu_uuids": ["GPU-a"], "host_gpu_uuids": ["GPU-a"]},
+                            "rank-1": {"cuda_pids": [200, 201], "gpu_uuids": ["GPU-b"], "host_gpu_uuids": ["GPU-b"]}}  # fmt: skip
+    assert set(done.barriers) == {"locked", "checkpointed", "quiesced", "dumped", "resumed"}
+    assert set(done.phases["rank-1"]) == {"lock", "device_checkpoint", "quiesce", "dump"}
+
+
+def test_a_cuda_checkpoint_that_fails_on_one_host_puts_every_cuda_process_of_every_host_back_to_running():
+    hosts = FakeHosts(b={("checkpoint", 201): "CUDA_ERROR_OUT_OF_MEMORY"})
+    with pytest.raises(CaptureError) as err:
+        cut(hosts)
+    message = err.value.message
+    assert "\n" not in message and message.startswith("checkpointing the devices of unit rank-1 on host b: CUDA checkpoint of process 201")
+    assert "CUDA_ERROR_OUT_OF_MEMORY" in message and "with its devices back to running and nothing was kept" in message, message
+    assert hosts.states() == {"a": ["running", "running"], "b": ["running", "running"]}
+    assert not positions(hosts.log, "STOP") and not positions(hosts.log, "dump")  # nothing was stopped or dumped
+    # host a had checkpointed both: restored each, then unlocked each
+    assert hosts.api["a"].calls[-4:] == [("restore", 100), ("restore", 101), ("unlock", 100), ("unlock", 101)]
+
+
+def test_a_dump_that_fails_on_one_host_continues_that_unit_then_puts_its_cuda_processes_back():
+    hosts = FakeHosts(fail_verb=("dump", "b"))
+    with pytest.raises(CaptureError, match=r"^dumping unit rank-1 on host b: criu dump of pid 200 failed: killed; every unit still running was resumed with its devices back"):
+        cut(hosts)
+    assert hosts.states()["b"] == ["running", "running"]
+    assert hosts.log.index(("CONT", "b")) < hosts.log.index(("devices_resume", "b"))  # a stopped process answers no CUDA call
+    assert ("devices_resume", "a") not in hosts.log and ("CONT", "a") not in hosts.log  # its dump ended its tree
+
+
+def test_a_dump_that_fails_on_one_host_resumes_every_cuda_process_on_every_host_when_the_cut_leaves_them_running():
+    hosts = FakeHosts(fail_verb=("dump", "b"))
+    hosts.api["a"].gone = False
+    original = hosts._carry_out
+
+    def leave_running(verb, doc, host, api):  # a cut whose dumps leave the trees running
+        return original(verb, {**doc, "leave_running": True}, host, api)
+
+    hosts._carry_out = leave_running  # type: ignore[method-assign]
+    with pytest.raises(CaptureError, match="every unit was resumed as it was with its devices back to running and nothing was kept$"):
+        cut(hosts, resume=True)
+    assert hosts.states() == {"a": ["running", "running"], "b": ["running", "running"]}
+    for h in ("a", "b"):
+        assert hosts.log.index(("CONT", h)) < hosts.log.index(("devices_resume", h))
+
+
+def test_a_host_that_stops_answering_at_the_lock_fails_the_cut_naming_it_and_the_other_host_is_unlocked():
+    hosts = FakeHosts(dead="b")
+    with pytest.raises(CaptureError) as err:
+        cut(hosts)
+    message = err.value.message
+    assert message.startswith("locking the devices of unit rank-1 on host b: step devices_lock gave no answer"), message
+    assert "resuming failed for putting back the devices of unit rank-1 on host b: step devices_resume gave no answer" in message  # still unreachable, and said so
+    assert hosts.states()["a"] == ["running", "running"] and not positions(hosts.log, "devices_checkpoint")
+
+
+def restore_steps(hosts: FakeHosts) -> AgentRestore:
+    return AgentRestore(hosts, {"rank-0": image("a"), "rank-1": image("b")}, {"rank-0": "/staged/0", "rank-1": "/staged/1"}, "n610")
+
+
+def test_a_restore_gives_every_host_its_gpus_back_before_any_host_unlocks():
+    hosts = FakeHosts()
+    roots: dict[str, int] = {}
+    done = restore_units(restore_steps(hosts), UNITS, roots, devices=True)
+    order = ["restore", "adopt", "CONT", "devices_restore", "devices_unlock"]
+    spans = [positions(hosts.log, s) for s in order]
+    assert all(len(s) == 2 for s in spans)
+    assert all(max(a) < min(b) for a, b in zip(spans, spans[1:])), hosts.log
+    assert roots == {"rank-0": 100, "rank-1": 200} and hosts.states() == {"a": ["running", "running"], "b": ["running", "running"]}
+    assert set(done.barriers) == {"restored", "adopted", "continued", "devices_restored", "unlocked"}
+
+
+def test_a_cuda_restore_that_fails_on_one_host_unlocks_no_host_and_names_it():
+    hosts = FakeHosts(b={("restore", 201): "CUDA_ERROR_INVALID_VALUE"})
+    roots: dict[str, int] = {}
+    with pytest.raises(RestoreError, match=r"^restoring the devices of unit rank-1 on host b: CUDA restore of process 201 .*CUDA_ERROR_INVALID_VALUE"):
+        restore_units(restore_steps(hosts), UNITS, roots, devices=True)
+    assert not positions(hosts.log, "devices_unlock")
+    assert roots == {"rank-0": 100, "rank-1": 200}  # known to the caller, which ends both trees
+    assert hosts.states()["a"] == ["locked", "locked"]  # back on its GPU, never let run alone
+
+
+def test_a_cpu_unit_restore_has_no_device_steps():
+    hosts = FakeHosts()
+    restore_units(restore_steps(hosts), UNITS, {}, devices=False)
+    assert [s for s, _ in hosts.log if s.startswith("devices_")] == []
+
+
+def test_a_driver_that_cannot_cut_across_hosts_is_refused_in_one_line_naming_those_that_can(tmp_path, use_settings):
+    from test_launch_units import two_host_workload
+
+    from sparkrun_coldsnap.controller.units import _resolved
+    from sparkrun_coldsnap.errors import RequestError
+
+    settings = use_settings()
+    for driver in ("cpu", "n610"):
+        assert _resolved(two_host_workload(tmp_path).model_copy(update={"driver": driver}), settings).driver.across_hosts
+    with pytest.raises(RequestError) as err:
+        _resolved(two_host_workload(tmp_path).model_copy(update={"driver": "n580"}), settings)
+    assert err.value.code == "request.multi_host" and "\n" not in err.value.message
+    assert err.value.message.startswith("driver n580 cannot capture a workload of several hosts (n610, cpu can): set coldsnap.driver to one of those")
