@@ -153,6 +153,16 @@ def recorded(doc: dict[str, Any]) -> dict[str, Any]:
     return {"ranks": [{"name": n, "pid": p} for n, p in _recorded(str(doc["pattern"]))]}
 
 
+def abort_connections(doc: dict[str, Any]) -> dict[str, Any]:
+    """The TCP connections of the ranks recorded here under *pattern* ended at once, before
+    they are stopped for a restore (host/connections.py says why)."""
+    from sparkrun_coldsnap.host import connections
+    from sparkrun_coldsnap.host.process_tree import tree_pids
+
+    held = connections.held_connections(p for _, leader in _recorded(str(doc["pattern"])) for p in tree_pids(leader))
+    return {"aborted": len(held), "problems": connections.abort(held)}
+
+
 def inbox(doc: dict[str, Any]) -> dict[str, Any]:
     """A private directory for the layers about to be sent here."""
     from sparkrun_coldsnap.capsule.store import CapsuleStore
@@ -310,7 +320,7 @@ def remove(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 VERBS: dict[str, Verb] = {
-    "root": root, "recorded": recorded, "files": files, "dump": dump, "pack": pack, "admit": admit, "inbox": inbox, "stage": stage,
+    "root": root, "recorded": recorded, "abort_connections": abort_connections, "files": files, "dump": dump, "pack": pack, "admit": admit, "inbox": inbox, "stage": stage,
     "restore": restore, "adopt": adopt, "io_uring_off": io_uring_off, "io_uring_back": io_uring_back, "remove": remove,
     "drop_page_cache": drop_page_cache, "capture_facts": capture_facts,
     "devices_lock": devices_lock, "devices_checkpoint": devices_checkpoint, "devices_resume": devices_resume,

@@ -8,6 +8,7 @@ those stories never see SSH, sparkrun or the executor.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import sys
@@ -123,6 +124,14 @@ class SparkrunUnitHosts:
             for rank in self.agent(u, "recorded", {"pattern": self.rank_pattern(u)}, timeout=60)["ranks"]:
                 running.append("%s (%s on %s)" % (u.name, rank["name"], u.host))
                 self.ranks.started.append(RankRecord(u, str(rank["name"])))
+        # Its connections end first, on every host: a workload restored from the same capsule
+        # holds the very ones the restore brings back, and stopped the ordinary way their
+        # leftovers would answer the restored ranks with resets (host/connections.py). A host
+        # whose kernel cannot end them still has its ranks stopped: the restore may then lose
+        # a connection, which its validation reports.
+        for u in units:
+            with contextlib.suppress(ColdsnapError):
+                self.agent(u, "abort_connections", {"pattern": self.rank_pattern(u)}, timeout=120)
         problems = self.ranks.stop_all()
         if problems:
             raise ToolError("stopping the workload this restore replaces failed: %s" % "; ".join(problems))
