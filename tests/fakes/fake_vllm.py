@@ -33,11 +33,12 @@ import os
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fake_sglang import WORDS, weights_digest  # noqa: E402
+from openai_http import JsonHandler  # noqa: E402
 
 TAGS = ("weights", "kv_cache")
 
@@ -93,19 +94,7 @@ class Engine:
 def make_handler(engine: Engine, args):
     dev = os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, fmt, *a):
-            pass
-
-        def _send(self, status: int, doc=None) -> None:
-            body = b"" if doc is None else json.dumps(doc).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    class Handler(JsonHandler):
 
         def _route(self) -> tuple[str, dict]:
             parts = urlsplit(self.path)
@@ -145,19 +134,7 @@ def make_handler(engine: Engine, args):
 
         def _chat(self, req: dict) -> None:
             words = engine.generate(str((req.get("messages") or [{}])[-1].get("content", "")), int(req.get("max_tokens") or 16))
-            if not req.get("stream"):
-                return self._send(200, {"object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(words)}, "finish_reason": "length"}]})
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            chunks = [{"role": "assistant", "content": ""}] + [{"content": w} for w in words]
-            for delta in chunks:
-                doc = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
-                self.wfile.write(b"data: " + json.dumps(doc).encode() + b"\n\n")
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
-            self.close_connection = True
+            self._send_chat(req, words)
 
     return Handler
 

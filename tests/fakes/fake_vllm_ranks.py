@@ -44,13 +44,14 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE / "fake_cuda")]  # the engine's own PYTHONPATH is the recipe's
 from fake_sglang import WORDS, weights_digest  # noqa: E402
+from openai_http import JsonHandler  # noqa: E402
 
 TAGS = ("weights", "kv_cache")
 MASK = (1 << 62) - 1
@@ -248,19 +249,7 @@ class Engine:
 def make_handler(engine: Engine, api_ctx, served: str):
     dev = os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, fmt, *a):
-            pass
-
-        def _send(self, status: int, doc=None) -> None:
-            body = b"" if doc is None else json.dumps(doc).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    class Handler(JsonHandler):
 
         def do_GET(self):
             print("fake-vllm call: %s" % json.dumps({"method": "GET", "path": self.path}), flush=True)
@@ -309,18 +298,7 @@ def make_handler(engine: Engine, api_ctx, served: str):
                 return self._send(500, {"error": {"message": "ranks disagree: %s" % sorted(sums), "code": 500}})
             seed = hashlib.sha256(("%d %s" % (sums.pop(), prompt)).encode()).digest()
             words = [" " + WORDS[seed[i % len(seed)] % len(WORDS)] for i in range(int(req.get("max_tokens") or 16))]
-            if not req.get("stream"):
-                return self._send(200, {"object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(words)}, "finish_reason": "length"}]})
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            for delta in [{"role": "assistant", "content": ""}] + [{"content": w} for w in words]:
-                doc = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
-                self.wfile.write(b"data: " + json.dumps(doc).encode() + b"\n\n")
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
-            self.close_connection = True
+            self._send_chat(req, words)
 
     return Handler
 
