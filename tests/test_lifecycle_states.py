@@ -240,3 +240,28 @@ def test_a_hibernate_keeps_the_native_payload_its_weights_came_from_only_while_i
     run = SimpleNamespace(native_reuse=record, rb=ReceiptBuilder("hibernate"))
     assert reused_native(run) is None and "does not match" in run.rb.details["native_not_reused"]  # written again instead
     assert reused_native(SimpleNamespace(native_reuse=None, rb=ReceiptBuilder("hibernate"))) is None
+
+
+def test_a_warm_tree_is_known_by_its_start_in_ticks_not_by_a_wall_clock_time_that_moves(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    import psutil
+
+    from sparkrun_coldsnap.lifecycle import warm
+
+    staging = tmp_path / "restore-x"
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        warm._write_tree(staging, child.pid)
+        w = SimpleNamespace(tree_pid=child.pid, staging=str(staging))
+        # Each reader computes the wall-clock start from the boot time it reads, which moves by a
+        # second when the host's clock is adjusted: that is no other process.
+        real = psutil.Process.create_time
+        monkeypatch.setattr(psutil.Process, "create_time", lambda self: real(self) + 1.0)
+        assert warm.tree_alive(w)  # type: ignore[arg-type]
+    finally:
+        child.kill()
+        child.wait()
+    assert not warm.tree_alive(w)  # type: ignore[arg-type]

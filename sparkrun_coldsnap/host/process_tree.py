@@ -31,6 +31,16 @@ def tree_pids(root_pid: int) -> list[int]:
         return []
 
 
+def start_ticks(pid: int) -> int:
+    """When *pid* started, in clock ticks since boot (``/proc/PID/stat``): what tells a process
+    from a later one that got its PID. Stable, where a start time in seconds of the wall clock
+    (psutil's ``create_time``) moves with the boot time each reader computes anew, by whole
+    seconds when the host's clock is adjusted."""
+    with open("/proc/%d/stat" % pid) as f:
+        stat = f.read()
+    return int(stat[stat.rindex(")") + 2 :].split()[19])  # field 22, counted after the name
+
+
 def fd_targets(pid: int) -> list[tuple[int, str]]:
     out: list[tuple[int, str]] = []
     base = "/proc/%d/fd" % pid

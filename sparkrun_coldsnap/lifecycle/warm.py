@@ -44,7 +44,7 @@ from sparkrun_coldsnap.documents.settings import Settings
 from sparkrun_coldsnap.errors import RestoreError
 from sparkrun_coldsnap.host import disk_room
 from sparkrun_coldsnap.host.ports import port_holder
-from sparkrun_coldsnap.host.process_tree import kill_tree, tree_pids
+from sparkrun_coldsnap.host.process_tree import kill_tree, start_ticks, tree_pids
 from sparkrun_coldsnap.launch.host_processes import RestoredTree
 from sparkrun_coldsnap.lifecycle.records import WarmRestore
 from sparkrun_coldsnap.progress import QUIET, Progress
@@ -144,7 +144,7 @@ def _tree_file(staging: Path) -> Path:
 
 
 def _write_tree(staging: Path, pid: int) -> None:
-    _tree_file(staging).write_text(json.dumps({"pid": pid, "started": psutil.Process(pid).create_time()}) + "\n")
+    _tree_file(staging).write_text(json.dumps({"pid": pid, "start_ticks": start_ticks(pid)}) + "\n")
 
 
 def tree_alive(warm: WarmRestore) -> bool:
@@ -157,7 +157,11 @@ def _recorded_tree(staging: Path) -> int | None:
     try:
         doc = json.loads(_tree_file(staging).read_text())
         p = psutil.Process(int(doc["pid"]))
-        if abs(p.create_time() - float(doc["started"])) < 0.01 and p.status() != psutil.STATUS_ZOMBIE:
+        if "start_ticks" in doc:
+            same = start_ticks(p.pid) == int(doc["start_ticks"])
+        else:  # recorded by an earlier version, in seconds of the wall clock
+            same = abs(p.create_time() - float(doc["started"])) < 1.0
+        if same and p.status() != psutil.STATUS_ZOMBIE:
             return p.pid
     except (OSError, ValueError, KeyError, psutil.Error):
         pass
