@@ -143,14 +143,14 @@ def test_n610_captures_two_hosts_at_one_cut_and_sparkrun_run_restores_both_units
         assert rank1["NCCL_P2P_DISABLE"] == "1" and rank1["NCCL_SHM_DISABLE"] == "1" and rank1.get("NCCL_SOCKET_IFNAME") != "lo"
         restored = json.loads(sorted((store / "receipts" / "fake-vllm-two-node").glob("*-restore.json"))[-1].read_text())
         assert restored["weights"]["path"] == "native" and restored["validation"]["passed"], restored
-        assert list(restored["details"]["barriers"]) == ["restored", "adopted", "continued", "devices_restored", "unlocked"]
+        assert list(restored["details"]["barriers"]) == ["network_held", "restored", "network_open", "adopted", "continued", "devices_restored", "unlocked"]
 
         status = sparkrun("status", *CLUSTER).stdout
         assert head.address in status and worker.address in status, status
 
         # The same recipe run again replaces the serving workload with a fresh restore of the
-        # same capsule: the very connections between the hosts come back (their leftovers from
-        # the stopped workload are ended first, else about one run in five lost one).
+        # same capsule: the very connections between the hosts come back, held back on every
+        # host until both ends are restored (else about one run in five lost one to a reset).
         for attempt in range(2):
             out = run_logged(sparkrun, tmp_path / ("again-%d.log" % attempt), "run", str(path), *CLUSTER, "--no-follow")
             assert "distributed state restored 2/2" in out and chat(head.address) == cfg["validation"]["reply"], out

@@ -28,6 +28,8 @@ from sparkrun_coldsnap.errors import CaptureError, RestoreError, ToolError
 # with a CUDA context, as a tensor-parallel engine with one rank per host has.
 PIDS = {"a": [100, 101], "b": [200, 201]}
 UNITS = [LaunchUnit(name="rank-0", host="a", rank=0), LaunchUnit(name="rank-1", host="b", rank=1)]
+# The one connection between the ranks, as each end sees it.
+PEER_TCP = {"a": ("198.18.0.1", 29500, "198.18.0.2", 41000), "b": ("198.18.0.2", 41000, "198.18.0.1", 29500)}
 
 
 class HostApi(FakeCheckpointApi):
@@ -62,6 +64,7 @@ class FakeHosts:
         self.log: list[tuple[str, str]] = []
         self.fail_verb = fail_verb  # (verb, host): the agent answers an error there
         self.dead = dead  # a host that stops answering at its first device step
+        self.held: dict[str, bool] = {}  # whether the host holds back its unit's connections
 
     def agent(self, unit, verb, doc, *, timeout=900.0):
         host, api = unit.host, self.api[unit.host]
@@ -92,6 +95,10 @@ class FakeHosts:
         if verb == "devices_unlock":
             cuda_units.unlock(api, doc["data"])
             return {}
+        if verb in ("network_lock", "network_unlock"):
+            assert doc["connections"] == image(host).driver_data["peer_tcp"]
+            self.held[host] = verb == "network_lock"
+            return {} if verb == "network_lock" else {"problems": []}
         if verb == "dump":
             api.gone = not doc.get("leave_running")  # a capture's dump ends the tree
             return {"image": image(host).model_dump(mode="json")}
@@ -121,7 +128,8 @@ class FakeHosts:
 def image(host: str) -> UnitImage:
     pids = tuple(PIDS[host])
     return UnitImage(name="rank-0" if host == "a" else "rank-1", host=host, driver="n610", root_pid=pids[0], pids=pids, pid_namespace=False,
-                     driver_data={"cuda_pids": list(pids), "gpu_uuids": ["GPU-%s" % host], "host_gpu_uuids": ["GPU-%s" % host]})  # fmt: skip
+                     driver_data={"cuda_pids": list(pids), "gpu_uuids": ["GPU-%s" % host], "host_gpu_uuids": ["GPU-%s" % host],
+                                  "peer_tcp": [list(PEER_TCP[host])]})  # fmt: skip
 
 
 def cut(hosts: FakeHosts, *, resume: bool = False):
@@ -204,12 +212,24 @@ def test_a_restore_gives_every_host_its_gpus_back_before_any_host_unlocks():
     hosts = FakeHosts()
     roots: dict[str, int] = {}
     done = restore_units(restore_steps(hosts), UNITS, roots, devices=True)
-    order = ["restore", "adopt", "CONT", "devices_restore", "devices_unlock"]
+    order = ["network_lock", "restore", "network_unlock", "adopt", "CONT", "devices_restore", "devices_unlock"]
     spans = [positions(hosts.log, s) for s in order]
     assert all(len(s) == 2 for s in spans)
     assert all(max(a) < min(b) for a, b in zip(spans, spans[1:])), hosts.log
     assert roots == {"rank-0": 100, "rank-1": 200} and hosts.states() == {"a": ["running", "running"], "b": ["running", "running"]}
-    assert set(done.barriers) == {"restored", "adopted", "continued", "devices_restored", "unlocked"}
+    assert list(done.barriers) == ["network_held", "restored", "network_open", "adopted", "continued", "devices_restored", "unlocked"]
+    assert hosts.held == {"a": False, "b": False}
+
+
+@pytest.mark.parametrize("failing", ["network_lock", "restore"])
+def test_a_unit_that_cannot_hold_back_its_connections_or_be_restored_leaves_no_host_holding_them_back(failing):
+    hosts = FakeHosts(fail_verb=(failing, "b"))
+    with pytest.raises(RestoreError, match="unit rank-1 on host b"):
+        restore_units(restore_steps(hosts), UNITS, {}, devices=True)
+    assert hosts.held.get("a") is False and not hosts.held.get("b"), hosts.log  # a locked, then lifted; b lifted or never locked
+    assert ("network_unlock", "a") in hosts.log and not positions(hosts.log, "adopt")
+    if failing == "network_lock":
+        assert not positions(hosts.log, "restore")  # nothing was restored with a host not holding back
 
 
 def test_a_cuda_restore_that_fails_on_one_host_unlocks_no_host_and_names_it():

@@ -3,12 +3,15 @@
 The checkpoint's barriers, walked back; each step runs on every unit (on its host, all hosts
 at once) before the next step runs on any:
 
-1. restore: every unit's tree restored by CRIU on its host; it comes back stopped at the cut
+1. hold back: every host drops the packets arriving for its unit's connections to the other
+   hosts (``host/peer_lock.py``), so no end restored early meets a peer not yet restored;
+2. restore: every unit's tree restored by CRIU on its host; it comes back stopped at the cut
    (it was stopped when it was dumped), in the host's namespaces with its captured PIDs and
-   addresses, its connections to the other hosts' units restored behind CRIU's network lock;
-2. adopt: every restored root recorded as its rank (from here the manager sees and stops it);
-3. continue: every unit continued (SIGCONT), now that every end of every connection is back;
-4. devices, for drivers with device state apart from the images (n610): every unit's device
+   addresses, its connections to the other hosts' units with it; once every unit is back,
+   every host lets its connections' packets through again;
+3. adopt: every restored root recorded as its rank (from here the manager sees and stops it);
+4. continue: every unit continued (SIGCONT), now that every end of every connection is back;
+5. devices, for drivers with device state apart from the images (n610): every unit's device
    users get their devices back, still locked, then every unit's are unlocked. The driver's
    calls are carried out by threads of the processes themselves, so they come after the
    continue; and no rank may compute before every rank has its device memory back, or a
@@ -21,6 +24,7 @@ still finds them).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +37,14 @@ from sparkrun_coldsnap.errors import ColdsnapError
 
 class RestoreSteps(Protocol):
     """How one restore reaches the units' hosts."""
+
+    def lock_network(self, u: LaunchUnit) -> None:
+        """Hold back the packets arriving for the unit's connections to other hosts."""
+        ...
+
+    def unlock_network(self, u: LaunchUnit) -> None:
+        """Let them through again."""
+        ...
 
     def restore(self, u: LaunchUnit) -> int:
         """Restore the unit's tree on its host, stopped at the cut; its root's PID."""
@@ -70,7 +82,16 @@ def restore_units(steps: RestoreSteps, units: Sequence[LaunchUnit], roots: dict[
         def restored(u: LaunchUnit) -> None:
             roots[u.name] = steps.restore(u)
 
-        _every(pool, units, restored, out, "restore", "restored")
+        try:
+            _every(pool, units, steps.lock_network, out, "network_lock", "network_held")
+            _every(pool, units, restored, out, "restore", "restored")
+        except BaseException:
+            # Lifted on every host even when a unit did not come back (the hosts serve other
+            # connections too); the failure to tell is the first one.
+            with contextlib.suppress(ColdsnapError):
+                _every(pool, units, steps.unlock_network, out, "network_unlock", "network_open")
+            raise
+        _every(pool, units, steps.unlock_network, out, "network_unlock", "network_open")
         _every(pool, units, lambda u: steps.adopt(u, roots[u.name]), out, "adopt", "adopted")
         _every(pool, units, lambda u: steps.resume(u, roots[u.name]), out, "continue", "continued")
         if devices:

@@ -88,6 +88,24 @@ class AgentRestore:
         except ColdsnapError as err:
             raise RestoreError("restoring %s" % err.message) from err
 
+    def lock_network(self, u: LaunchUnit) -> None:
+        held = self.images[u.name].driver_data.get("peer_tcp")
+        if held:
+            try:
+                self.hosts.agent(u, "network_lock", {"connections": held}, timeout=300)
+            except ColdsnapError as err:
+                raise RestoreError("holding back the connections of %s" % err.message) from err
+
+    def unlock_network(self, u: LaunchUnit) -> None:
+        held = self.images[u.name].driver_data.get("peer_tcp")
+        if held:
+            try:
+                problems = self.hosts.agent(u, "network_unlock", {"connections": held}, timeout=300)["problems"]
+            except ColdsnapError as err:
+                raise RestoreError("letting through the connections of %s" % err.message) from err
+            if problems:
+                raise RestoreError("letting through the connections of unit %s on host %s: %s" % (u.name, u.host, "; ".join(problems)))
+
     def adopt(self, u: LaunchUnit, root: int) -> None:
         self.hosts.adopt(u, root)
 

@@ -65,7 +65,7 @@ class UnitImage(Strict):
         default_factory=dict,
         description=(
             "What the driver needs to restore the unit; n610: cuda_pids, gpu_uuids (the GPUs the workload used), host_gpu_uuids (every GPU of the capture host), "
-            "driver_version; a unit of a workload on several hosts: peer_connections (it holds connections to other hosts' units), native_files (the files of the "
+            "driver_version; a unit of a workload on several hosts: peer_connections (it holds connections to other hosts' units), peer_tcp (those connections: local address, port, peer address, port), native_files (the files of the "
             "native weight payload its host holds)."
         ),
     )

@@ -34,7 +34,7 @@ from sparkrun_coldsnap.drivers import tree_inspect
 from sparkrun_coldsnap.drivers.base import Progress, SharedFile, UnitImage
 from sparkrun_coldsnap.drivers.criu_tool import Criu, how_it_ended, log_tail
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
-from sparkrun_coldsnap.host import paths
+from sparkrun_coldsnap.host import connections, paths, peer_lock
 from sparkrun_coldsnap.host.process_tree import fd_targets, kill_tree, shared_memory_files, tree_pids, users_of
 from sparkrun_coldsnap.host.runner import run
 from sparkrun_coldsnap.host.sparse import copy_sparse
@@ -95,6 +95,7 @@ def dump(
     pids = tuple(tree_pids(root_pid))
     shared = shared_memory_files(root_pid)
     tcp = tree_inspect.established_inside(root_pid)
+    to_peers = peer_lock.to_other_hosts(connections.held_connections(pids)) if peers and tcp else []
     listening = tree_inspect.listening_ports(root_pid)
     resource = _output_resource(root_pid)
     dirs = _remap_dirs(shared)
@@ -115,7 +116,10 @@ def dump(
     remaps = sorted(_listing(dirs) - before)
     saved = _save_shared(images, [Path(p) for p in shared] + remaps, owner_gone=not leave_running)
     image = unit_image(criu, images, unit=unit, host=host, driver=driver, pids=pids, resource=resource, saved=saved, tcp=tcp, listening=listening)
-    return image.model_copy(update={"driver_data": {"peer_connections": True}}) if peers and tcp else image
+    if not (peers and tcp):
+        return image
+    # The connections to other hosts' units, each host's restore holds back until every end is back.
+    return image.model_copy(update={"driver_data": {"peer_connections": True, "peer_tcp": [list(c) for c in to_peers]}})
 
 
 def unit_image(

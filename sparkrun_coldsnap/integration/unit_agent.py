@@ -217,6 +217,24 @@ def restore(doc: dict[str, Any]) -> dict[str, Any]:
     return {"pid": pid}
 
 
+def network_lock(doc: dict[str, Any]) -> dict[str, Any]:
+    """Hold back the packets of the unit's connections to other hosts (host/peer_lock.py says why)."""
+    from sparkrun_coldsnap.host import peer_lock
+
+    peer_lock.lock([_connection(c) for c in doc["connections"]])
+    return {}
+
+
+def network_unlock(doc: dict[str, Any]) -> dict[str, Any]:
+    from sparkrun_coldsnap.host import peer_lock
+
+    return {"problems": peer_lock.unlock([_connection(c) for c in doc["connections"]])}
+
+
+def _connection(c: list[Any]) -> tuple[str, int, str, int]:
+    return str(c[0]), int(c[1]), str(c[2]), int(c[3])
+
+
 def adopt(doc: dict[str, Any]) -> dict[str, Any]:
     from sparkrun_coldsnap.integration.records import register_local
 
@@ -321,7 +339,7 @@ def remove(doc: dict[str, Any]) -> dict[str, Any]:
 
 VERBS: dict[str, Verb] = {
     "root": root, "recorded": recorded, "abort_connections": abort_connections, "files": files, "dump": dump, "pack": pack, "admit": admit, "inbox": inbox, "stage": stage,
-    "restore": restore, "adopt": adopt, "io_uring_off": io_uring_off, "io_uring_back": io_uring_back, "remove": remove,
+    "restore": restore, "adopt": adopt, "network_lock": network_lock, "network_unlock": network_unlock, "io_uring_off": io_uring_off, "io_uring_back": io_uring_back, "remove": remove,
     "drop_page_cache": drop_page_cache, "capture_facts": capture_facts,
     "devices_lock": devices_lock, "devices_checkpoint": devices_checkpoint, "devices_resume": devices_resume,
     "devices_restore": devices_restore, "devices_unlock": devices_unlock,
