@@ -48,6 +48,10 @@ def _choice[T](env: Mapping[str, str], name: str, choices: Mapping[str, T], defa
     return choices[raw]
 
 
+def _default_fill_threads() -> int:
+    return min(8, os.cpu_count() or 1)
+
+
 @dataclass(frozen=True)
 class Settings:
     #: ``COLDSNAP_HOME``: the private CRIU, engine environments, run state and the default store.
@@ -72,6 +76,9 @@ class Settings:
     lazy_pages: bool = True
     #: ``COLDSNAP_N610_LAZY_PAGES``: memory on demand for ``n610`` restores (off: slower on the GPU).
     n610_lazy_pages: bool = False
+    #: ``COLDSNAP_PAGE_FILL``: threads that write a restored tree's big private memory areas after
+    #: CRIU restored the rest (``n610``, memory on demand off); 0: CRIU restores every page.
+    page_fill_threads: int = field(default_factory=_default_fill_threads)
     #: ``COLDSNAP_REGISTER_PIECE_MIB``: a native payload in memory is registered with CUDA in
     #: pieces of this many MiB while the pieces before are copied (0: all of it at once, which
     #: was faster on the H200).
@@ -129,6 +136,7 @@ class Settings:
             zero_pages=env.get("COLDSNAP_ZERO_PAGES", "leave-out").lower() not in ("keep", *OFF),
             lazy_pages=env.get("COLDSNAP_LAZY_PAGES", "1") != "0",
             n610_lazy_pages=env.get("COLDSNAP_N610_LAZY_PAGES") == "1",
+            page_fill_threads=_whole_number(env, "COLDSNAP_PAGE_FILL", _default_fill_threads(), least=0),
             register_piece_mib=_whole_number(env, "COLDSNAP_REGISTER_PIECE_MIB", 0, least=0),
             register_threads=_whole_number(env, "COLDSNAP_REGISTER_THREADS", 4, least=1),
             cuda_restore_parallel=_choice(env, "COLDSNAP_CUDA_RESTORE", {"parallel": True, "serial": False}, "parallel"),
