@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import psutil
@@ -21,10 +22,11 @@ from test_zero_pages import PAGES, digest, dump_pattern, pages_listed
 from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.drivers import criu_images as img
 from sparkrun_coldsnap.drivers import criu_tree, page_fill, zero_pages
+from sparkrun_coldsnap.drivers.cpu import CpuDriver
 from sparkrun_coldsnap.drivers.criu_tool import Criu
 from sparkrun_coldsnap.drivers.n610 import N610Driver
 from sparkrun_coldsnap.errors import RestoreError
-from sparkrun_coldsnap.host.process_tree import kill_tree
+from sparkrun_coldsnap.host.process_tree import kill_tree, tree_pids
 
 
 def restore(image, images: Path, tmp_path: Path, *, lazy: bool = False, details: dict | None = None) -> int:
@@ -162,3 +164,26 @@ def test_the_n610_driver_splits_during_preparation_unless_told_not_to(tmp_path):
         assert digest(port) == before
     finally:
         kill_tree(pid)
+
+
+def test_a_unit_dumped_stopped_at_a_cut_across_hosts_is_filled_and_left_stopped(tmp_path):
+    """The coordinator continues every unit of such a workload at once, after every restore."""
+    images, image, port, before = dump_pattern(tmp_path, PAGES)
+    page_fill.split_for_fill(images)
+    peer = image.model_copy(update={"driver_data": {"peer_connections": True}})
+    pid = restore(peer, images, tmp_path)
+    try:
+        pids = tree_pids(pid)
+        assert len(pids) >= 2 and {psutil.Process(p).status() for p in pids} == {psutil.STATUS_STOPPED}
+        for p in pids:
+            os.kill(p, signal.SIGCONT)
+        assert digest(port) == before
+    finally:
+        kill_tree(pid)
+
+
+def test_a_restore_in_namespaces_of_its_own_refuses_split_images(tmp_path):
+    images, image, _, _ = dump_pattern(tmp_path, PAGES)
+    page_fill.split_for_fill(images)
+    with pytest.raises(RestoreError, match="split for a page fill"):
+        CpuDriver().restore(image, images, log_path=tmp_path / "restore.log", progress=lambda m: None)
