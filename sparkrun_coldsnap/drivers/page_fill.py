@@ -22,21 +22,17 @@ import ctypes
 import json
 import mmap
 import os
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from google.protobuf.message import DecodeError
-
 from sparkrun_coldsnap.drivers import criu_images as img
-from sparkrun_coldsnap.drivers.zero_pages import copy_ranges, plain_vmas
+from sparkrun_coldsnap.drivers.zero_pages import copy_ranges, for_each_process, plain_vmas
 from sparkrun_coldsnap.errors import RestoreError
 from sparkrun_coldsnap.host.process_tree import tree_pids
 
-_PAGEMAP = re.compile(r"pagemap-(\d+)\.img")
 #: areas smaller than this stay with CRIU: a fill pays off on the big ones
 MIN_AREA_BYTES = 1 << 20
 #: bytes one thread writes in one go: small enough that the biggest process spreads over
@@ -107,15 +103,12 @@ def _join(runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
 
 
 def _split_process(images: Path, pid: int, min_area_bytes: int, report: FillSplit) -> None:
-    pagemap_path, mm_path = images / ("pagemap-%d.img" % pid), images / ("mm-%d.img" % pid)
+    pagemap_path = images / ("pagemap-%d.img" % pid)
     if index_path(images, pid).is_file():
         report.bytes_moved += json.loads(index_path(images, pid).read_text())["bytes"]
         report.processes += 1
         return  # split by an earlier preparation of the same images
-    if not mm_path.is_file():
-        report.skipped.append("%s: no mm-%d.img beside it" % (pagemap_path.name, pid))
-        return
-    starts, ends = _fill_areas(mm_path, min_area_bytes)
+    starts, ends = _fill_areas(images / ("mm-%d.img" % pid), min_area_bytes)
     pagemap = img.ImageFile.read(pagemap_path, img.PAGEMAP_MAGIC)
     pages_path = images / ("pages-%d.img" % img.parse("PagemapHead", pagemap.entries[0]).pages_id)
     size = pages_path.stat().st_size
@@ -179,16 +172,14 @@ def split_for_fill(images: Path, *, min_area_bytes: int = MIN_AREA_BYTES) -> Fil
     be read, or whose split fails, stays as it was (named in ``skipped``)."""
     t = time.monotonic()
     report = FillSplit()
-    for pagemap_path in sorted(images.glob("pagemap-*.img")):
-        m = _PAGEMAP.fullmatch(pagemap_path.name)
-        if not m:
-            continue  # shared memory's page maps (pagemap-shmem-*): restored by CRIU
+
+    def split(pid: int) -> None:
         try:
-            _split_process(images, int(m.group(1)), min_area_bytes, report)
-        except (img.ImageFormatError, DecodeError, IndexError) as err:
-            report.skipped.append(str(err))
-        except OSError as err:
-            report.skipped.append("%s: %s" % (pagemap_path.name, err))
+            _split_process(images, pid, min_area_bytes, report)
+        except OSError as err:  # e.g. no room for the new images: this process stays as dumped
+            report.skipped.append("pagemap-%d.img: %s" % (pid, err))
+
+    for_each_process(images, split, report.skipped)
     report.seconds = time.monotonic() - t
     return report
 
@@ -239,6 +230,33 @@ def image_pids(root_pid: int) -> dict[int, int]:
             if line.startswith("NSpid:"):
                 out[int(line.split()[-1])] = pid
     return out
+
+
+def await_stopped(pids: list[int], *, timeout: float = 5.0) -> None:
+    """Wait until every thread of *pids* shows stopped. ``criu restore --leave-stopped`` queues
+    the stop and lets go of each task at once: the task takes the stop on its way back to its
+    own code, and may not show stopped yet when ``criu`` returns."""
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while not _stopped(pid):
+            if time.monotonic() > deadline:
+                raise RestoreError("restored pid %d did not stop after criu restore --leave-stopped: its memory cannot be written while it runs" % pid)
+            time.sleep(0.001)
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        tasks = os.listdir("/proc/%d/task" % pid)
+    except OSError:
+        return True  # gone: writing to it fails and says so
+    for tid in tasks:
+        try:
+            stat = Path("/proc/%d/task/%s/stat" % (pid, tid)).read_text()
+        except OSError:
+            continue
+        if stat[stat.rindex(")") + 2] not in "TtZX":
+            return False
+    return True
 
 
 def _write(pid: int, base: int, runs: list[tuple[int, int, int]]) -> int:
@@ -302,6 +320,7 @@ def fill(images: Path, root_pid: int, *, threads: int) -> FillReport:
     missing = [plan["pid"] for plan in plans if plan["pid"] not in restored]
     if missing:
         raise RestoreError("process %d of the images is not in the tree restored at pid %d" % (missing[0], root_pid))
+    await_stopped([restored[plan["pid"]] for plan in plans])
     maps: list[tuple[int, int]] = []
     work: list[tuple[int, int, list[tuple[int, int, int]]]] = []
     try:

@@ -22,6 +22,7 @@ import mmap
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,11 +112,7 @@ def _kept_runs(pages: mmap.mmap, offset: int, vaddr: int, count: int, areas: _Pl
 
 def _rewrite_process(images: Path, pid: int, report: ZeroPagesReport) -> None:
     pagemap_path = images / ("pagemap-%d.img" % pid)
-    mm_path = images / ("mm-%d.img" % pid)
-    if not mm_path.is_file():
-        report.skipped.append("%s: no mm-%d.img beside it" % (pagemap_path.name, pid))
-        return
-    areas = _PlainAreas(mm_path)
+    areas = _PlainAreas(images / ("mm-%d.img" % pid))
     pagemap = img.ImageFile.read(pagemap_path, img.PAGEMAP_MAGIC)
     head = img.parse("PagemapHead", pagemap.entries[0])
     pages_path = images / ("pages-%d.img" % head.pages_id)
@@ -185,20 +182,31 @@ def _pages_bytes(images: Path) -> int:
     return sum(p.stat().st_size for p in images.glob("pages-*.img"))
 
 
+def for_each_process(images: Path, rework: Callable[[int], None], skipped: list[str]) -> None:
+    """Call *rework* with the PID of each process whose private memory *images* hold (shared
+    memory's page maps, ``pagemap-shmem-*``, are not private memory); a process whose images
+    cannot be read is named in *skipped*."""
+    for pagemap_path in sorted(images.glob("pagemap-*.img")):
+        m = _PAGEMAP.fullmatch(pagemap_path.name)
+        if not m:
+            continue
+        pid = int(m.group(1))
+        if not (images / ("mm-%d.img" % pid)).is_file():
+            skipped.append("%s: no mm-%d.img beside it" % (pagemap_path.name, pid))
+            continue
+        try:
+            rework(pid)
+        except (img.ImageFormatError, DecodeError, IndexError) as err:
+            skipped.append(str(err))
+
+
 def leave_out_zero_pages(images: Path) -> ZeroPagesReport:
     """Rewrite the page maps and pages images in *images* without the zero pages of private
     anonymous memory. Processes whose images cannot be read stay as they are (named in
     ``skipped``); the dump restores either way."""
     t = time.monotonic()
     report = ZeroPagesReport(bytes_before=_pages_bytes(images))
-    for pagemap_path in sorted(images.glob("pagemap-*.img")):
-        m = _PAGEMAP.fullmatch(pagemap_path.name)
-        if not m:
-            continue  # shared memory's page maps (pagemap-shmem-*): not private memory
-        try:
-            _rewrite_process(images, int(m.group(1)), report)
-        except (img.ImageFormatError, DecodeError, IndexError) as err:
-            report.skipped.append(str(err))
+    for_each_process(images, lambda pid: _rewrite_process(images, pid, report), report.skipped)
     report.bytes_after = _pages_bytes(images)
     report.seconds = time.monotonic() - t
     return report
