@@ -86,6 +86,22 @@ def test_a_cuda_tree_is_checkpointed_dumped_and_restored_through_the_helper(tmp_
         kill_tree(pid)
 
 
+def test_images_split_during_preparation_come_back_filled_before_the_cuda_restore(tmp_path, gpus, use_settings):
+    port = free_port()
+    image = capture(tmp_path, port)
+    use_settings(page_fill_threads=2)
+    driver = N610Driver()
+    staged = driver.stage_images(image, tmp_path / "images")
+    assert staged is not None and staged["page_fill_split"]["bytes_moved"] > 0, staged
+    restored = driver.restore(image, tmp_path / "images", log_path=tmp_path / "restore.log", progress=lambda m: None)
+    try:
+        assert restored.details["page_fill"]["bytes"] == staged["page_fill_split"]["bytes_moved"]
+        assert [record(p)["state"] for p in image.driver_data["cuda_pids"]] == ["running"] * 2
+        assert wait_http("http://127.0.0.1:%d/state" % port).strip() == "2"
+    finally:
+        kill_tree(restored.root_pid)
+
+
 def test_restoring_onto_the_other_gpu_maps_every_gpu_of_the_capture_host(tmp_path, gpus, use_settings):
     port = free_port()
     image = capture(tmp_path, port)

@@ -22,6 +22,7 @@ from registry_fixtures import free_port
 from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.drivers import criu_images as img
 from sparkrun_coldsnap.drivers import criu_tree, image_contents, zero_pages
+from sparkrun_coldsnap.drivers.base import UnitImage
 from sparkrun_coldsnap.drivers.cpu import CpuDriver
 from sparkrun_coldsnap.drivers.criu_tool import Criu
 from sparkrun_coldsnap.host.process_tree import kill_tree
@@ -45,9 +46,15 @@ def digest(port: int, timeout: float = 30) -> dict:
 @pytest.fixture
 def dumped(tmp_path):
     """The workload dumped (it stops), with the digests it answered just before."""
+    return dump_pattern(tmp_path, PAGES)
+
+
+def dump_pattern(tmp_path: Path, pages: int) -> tuple[Path, UnitImage, int, dict]:
+    """The workload with an area of *pages* pages, dumped into ``tmp_path/images`` (it stops):
+    the images, what the dump recorded, its port, and the digests it answered just before."""
     port = free_port()
     log = tmp_path / "workload.log"
-    unit = start_unit("%s %s --port %d --file %s --pages %d" % (sys.executable, WORKLOAD, port, tmp_path / "mapped.bin", PAGES), env={"PATH": "/usr/bin:/bin"}, log_path=log)
+    unit = start_unit("%s %s --port %d --file %s --pages %d" % (sys.executable, WORKLOAD, port, tmp_path / "mapped.bin", pages), env={"PATH": "/usr/bin:/bin"}, log_path=log)
     try:
         deadline = time.monotonic() + 30
         while "ready" not in log.read_text():

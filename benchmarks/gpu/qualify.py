@@ -126,10 +126,12 @@ OPTIONS = {
     "serial": {"COLDSNAP_REGISTER_PIECE_MIB": "1024", "COLDSNAP_REGISTER_THREADS": "1"},
     # the CUDA state of the tree's processes restored one after the other, as before
     "serialcuda": {"COLDSNAP_CUDA_RESTORE": "serial"},
+    # the big private memory areas written by eight threads after criu restore (page_fill.py)
+    "fill": {"COLDSNAP_PAGE_FILL": "8"},
 }
 LABELS = {
     "": "", "nocache": ", no cache", "cold": ", nothing prepared", "whole": ", registered whole", "serial": ", registered on one thread",
-    "pieces": ", registered in pieces", "serialcuda": ", CUDA restored serially",
+    "pieces": ", registered in pieces", "serialcuda": ", CUDA restored serially", "fill": ", memory filled by 8 threads",
 }  # fmt: skip
 
 

@@ -126,6 +126,7 @@ def prepare_restore(
         with rb.phase(r.launcher.stage_phase):
             staged = r.launcher.stage(r.driver, image, staging / "units" / image.name, staging=staging, request=req)
         attempt.on_failure(staged.discard)
+        rb.details.update(staged.details)
         background = settings.cache_in_background
         if choice is not None and settings.weights_memory and r.adapter.maps_native and not background:
             choice = weights_memory.stage_for_restore(cap.config, choice, rb, progress)
@@ -160,6 +161,7 @@ def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Pro
             with rb.phase("restore"):
                 running = attempt.running = prepared.staged.activate(req.workload_name, log_path=log_path, progress=progress.step)
                 root_pid = running.root_pid
+            rb.details.update(prepared.staged.details)
             endpoint = r.adapter.endpoint(w.launch.command, w.model.id, w.launch.port)
             h = None
             if prepared.weights is not None:

@@ -72,6 +72,10 @@ class Settings:
     lazy_pages: bool = True
     #: ``COLDSNAP_N610_LAZY_PAGES``: memory on demand for ``n610`` restores (off: slower on the GPU).
     n610_lazy_pages: bool = False
+    #: ``COLDSNAP_PAGE_FILL``: threads that write a restored tree's big private memory areas after
+    #: CRIU restored the rest (``n610``, memory on demand off); 0 (the default until it is
+    #: measured on the GPU machines): CRIU restores every page.
+    page_fill_threads: int = 0
     #: ``COLDSNAP_REGISTER_PIECE_MIB``: a native payload in memory is registered with CUDA in
     #: pieces of this many MiB while the pieces before are copied (0: all of it at once, which
     #: was faster on the H200).
@@ -129,6 +133,7 @@ class Settings:
             zero_pages=env.get("COLDSNAP_ZERO_PAGES", "leave-out").lower() not in ("keep", *OFF),
             lazy_pages=env.get("COLDSNAP_LAZY_PAGES", "1") != "0",
             n610_lazy_pages=env.get("COLDSNAP_N610_LAZY_PAGES") == "1",
+            page_fill_threads=_whole_number(env, "COLDSNAP_PAGE_FILL", 0, least=0),
             register_piece_mib=_whole_number(env, "COLDSNAP_REGISTER_PIECE_MIB", 0, least=0),
             register_threads=_whole_number(env, "COLDSNAP_REGISTER_THREADS", 4, least=1),
             cuda_restore_parallel=_choice(env, "COLDSNAP_CUDA_RESTORE", {"parallel": True, "serial": False}, "parallel"),

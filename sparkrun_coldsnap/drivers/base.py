@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -28,6 +28,8 @@ class RestoredUnit:
     root_pid: int
     #: the driver took over the staging directory (it still reads the images).
     images_handed_over: bool = False
+    #: what the restore measured, for the receipt (e.g. the memory fill's timings)
+    details: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,12 @@ class SnapshotDriver(ABC):
     def compact_images(self, images: Path) -> dict[str, Any] | None:
         """Make a finished dump in *images* smaller without changing what it restores (before
         it is packed); returns what it did for the receipt, None when it has nothing to do."""
+        return None
+
+    def stage_images(self, unit: UnitImage, images: Path) -> dict[str, Any] | None:
+        """Rework *unit*'s staged *images* for a faster restore, during preparation (off the
+        restore clock, the old workload still serving), without changing what they restore;
+        returns what it did for the receipt, None when it has nothing to do."""
         return None
 
     def checkpoint_tool_version(self) -> str | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,3 +146,22 @@ def entry_pages(entry: Any) -> int:
 def pagemap_entry(vaddr: int, pages: int, flags: int) -> bytes:
     """An entry as CRIU 4 writes one: the 64-bit count, the 32-bit one left 0."""
     return bytes(message("PagemapEntry")(vaddr=vaddr, compat_nr_pages=0, flags=flags, nr_pages=pages).SerializeToString())
+
+
+def located_entries(pagemap: ImageFile, pages_size: int, names: str) -> Iterator[tuple[bytes, Any, int | None]]:
+    """Each entry after the page map's head, parsed, with the offset of its pages in the pages
+    image (None: its pages are not there, but in a parent image). Raises when the page map and
+    the pages image (of *pages_size* bytes; *names* names the two) do not agree."""
+    offset = 0
+    for raw in pagemap.entries[1:]:
+        e = parse("PagemapEntry", raw)
+        if not e.flags & PE_PRESENT:
+            yield raw, e, None
+            continue
+        end = offset + entry_pages(e) * PAGE
+        if end > pages_size:
+            raise ImageFormatError("%s: the page map lists more pages than the pages image holds" % names)
+        yield raw, e, offset
+        offset = end
+    if offset != pages_size:
+        raise ImageFormatError("%s: the pages image holds %d bytes, the page map lists %d" % (names, pages_size, offset))

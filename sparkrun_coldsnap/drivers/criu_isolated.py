@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 
 from sparkrun_coldsnap.documents import settings
-from sparkrun_coldsnap.drivers import criu_tree
+from sparkrun_coldsnap.drivers import criu_tree, page_fill
 from sparkrun_coldsnap.drivers.base import Progress, UnitImage
 from sparkrun_coldsnap.drivers.criu_tool import Criu, how_it_ended, log_tail
 from sparkrun_coldsnap.drivers.criu_tree import BASE_FLAGS, RESTORE_LOG, TCP_FLAGS
@@ -54,6 +54,9 @@ def restore(
     restored tasks fault on are served from the images the daemon reads. It removes
     *owned_dir* once every page has moved.
     """
+    if page_fill.indexes(images):
+        # Restored this way nothing would write the pages the split took out: they would be zeros.
+        raise RestoreError("the images of unit %s were split for a page fill, which a restore in namespaces of its own does not do: stage them again" % unit.name)
     lazy = criu_tree.lazy_pages_supported(criu)
     pidfile = paths.run_dir() / ("restore-%d-%s.pid" % (os.getpid(), unit.name))
     pidfile.parent.mkdir(parents=True, exist_ok=True)

@@ -26,11 +26,12 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from sparkrun_coldsnap.documents import settings
-from sparkrun_coldsnap.drivers import tree_inspect
+from sparkrun_coldsnap.drivers import page_fill, tree_inspect
 from sparkrun_coldsnap.drivers.base import Progress, SharedFile, UnitImage
 from sparkrun_coldsnap.drivers.criu_tool import Criu, how_it_ended, log_tail
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
@@ -357,14 +358,20 @@ def _stop_daemon(daemon: subprocess.Popen) -> None:
 
 def restore(
     criu: Criu, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, lazy: bool = False, owned_dir: Path | None = None,
-    extra_args: tuple[str, ...] = (),
+    extra_args: tuple[str, ...] = (), details: dict[str, Any] | None = None,
 ) -> tuple[int, bool]:  # fmt: skip
     """Restore *unit* detached; returns the host PID of its root and whether *owned_dir* was handed over.
 
     With *lazy*, memory pages are not copied before the tree resumes: a
     ``criu lazy-pages`` daemon fills them on first touch and streams the rest
     in the background, then removes *owned_dir* (the staged images).
+
+    Images split for a fill (:mod:`sparkrun_coldsnap.drivers.page_fill`) are restored with
+    every page now: CRIU leaves the tree stopped, the fill writes the pages it took out, then
+    the tree is continued. *details* receives the timings.
     """
+    filling = bool(page_fill.indexes(images))
+    lazy = lazy and not filling  # the fill writes every page before the tree runs
     # Not among the images: with memory on demand the daemon removes those as soon as the
     # last page is delivered, which for a small tree can come before the pidfile is read.
     pidfile = paths.run_dir() / ("restore-%d-%s.pid" % (os.getpid(), unit.name))
@@ -386,10 +393,14 @@ def restore(
         if lazy:
             daemon = _start_lazy_daemon(criu, images, owned_dir)
             args.append("--lazy-pages")
+        if filling:
+            args.append("--leave-stopped")
         progress("criu restore%s" % (" (memory on demand)" if lazy else ""))
         t = time.monotonic()
         done = criu.run(args, timeout=1800, pass_fds=(log_fd,), what="criu restore")
         log.debug("criu restore took %.3f s", time.monotonic() - t)
+        if details is not None:
+            details["criu_restore_seconds"] = round(time.monotonic() - t, 4)
     finally:
         os.close(log_fd)
     if done.returncode != 0:
@@ -404,7 +415,7 @@ def restore(
         # its statistics there: the daemon's removal then raced it, so remove again.
         paths.remove_staging(owned_dir)
     try:
-        return int(pidfile.read_text().strip()), daemon is not None and owned_dir is not None
+        root = int(pidfile.read_text().strip())
     except (OSError, ValueError) as err:
         # The tree came back with its captured PIDs: stop it rather than leave it unowned.
         if unit.pids and psutil.pid_exists(unit.pids[0]):
@@ -412,3 +423,32 @@ def restore(
         raise RestoreError("criu restore of unit %s reported success but wrote no pidfile: %s" % (unit.name, err)) from err
     finally:
         pidfile.unlink(missing_ok=True)
+    if filling:
+        _fill_and_continue(unit, images, root, progress=progress, details=details)
+    return root, daemon is not None and owned_dir is not None
+
+
+def _fill_and_continue(unit: UnitImage, images: Path, root_pid: int, *, progress: Progress, details: dict[str, Any] | None) -> None:
+    """Write the pages the split took out of *images* into the tree CRIU left stopped, then let
+    it run; a fill that fails ends the tree (it would run with zeros for memory)."""
+    threads = max(1, settings.current().page_fill_threads)
+    progress("writing %.1f GB of memory with %d threads" % (page_fill.planned_bytes(images) / 1e9, threads))
+    try:
+        report = page_fill.fill(images, root_pid, threads=threads)
+    except BaseException as err:
+        kill_tree(root_pid, grace=0.0)
+        if isinstance(err, (OSError, ValueError, KeyError)):
+            raise RestoreError("the memory fill of unit %s failed: %s" % (unit.name, err)) from err
+        raise
+    log.debug("page fill wrote %d bytes into %d processes in %.3f s with %d threads", report.bytes, report.processes, report.seconds, report.threads)
+    if details is not None:
+        details["page_fill"] = report.to_json()
+    # A unit of a workload on several hosts was dumped stopped at the cut: it comes back
+    # stopped either way, and the coordinator continues every unit at once.
+    if unit.driver_data.get("peer_connections"):
+        return
+    for pid in tree_pids(root_pid):
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            continue

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sparkrun_coldsnap.documents import settings
-from sparkrun_coldsnap.drivers import criu_tree, cuda_checkpoint, cuda_units, gpu_ranks, nvidia, tree_inspect
+from sparkrun_coldsnap.drivers import criu_tree, cuda_checkpoint, cuda_units, gpu_ranks, nvidia, page_fill, tree_inspect
 from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, Support, UnitImage
 from sparkrun_coldsnap.drivers.criu_driver import CriuDriver
 from sparkrun_coldsnap.drivers.criu_tool import Criu
@@ -90,6 +90,13 @@ class N610Driver(CriuDriver):
             criu_tree.lazy_pages_supported(Criu.locate())  # probed now, off the restore clock
         return criu_tree.restore_problems(unit, replacing=replacing) + gpu_ranks.gpu_problems(unit)
 
+    def stage_images(self, unit: UnitImage, images: Path) -> dict[str, Any] | None:
+        # CRIU writes a process's pages with one thread; the big areas are written after it
+        # by several (page_fill.py). Memory on demand delivers pages itself: nothing to split.
+        if _lazy_wanted() or not settings.current().page_fill_threads:
+            return None
+        return {"page_fill_split": page_fill.split_for_fill(images).to_json()}
+
     def warm_up(self, unit: UnitImage) -> cuda_checkpoint.HelperProcess:
         # The helper's CUDA initialization takes seconds: let it happen before the clock starts.
         # It must not sit on a PID the restore needs (a young host may hand those out).
@@ -110,7 +117,8 @@ class N610Driver(CriuDriver):
             # Memory on demand here too when asked: the CUDA restore then faults in the host
             # copy of the device state as it reads it.
             lazy = _lazy_wanted() and criu_tree.lazy_pages_supported(criu)
-            pid, handed = criu_tree.restore(criu, unit, images, log_path=log_path, progress=progress, lazy=lazy, owned_dir=owned_dir)
+            measured: dict[str, Any] = {}
+            pid, handed = criu_tree.restore(criu, unit, images, log_path=log_path, progress=progress, lazy=lazy, owned_dir=owned_dir, details=measured)
             try:
                 here = api.uuids()
                 used = unit.driver_data.get("gpu_uuids", ())
@@ -127,7 +135,7 @@ class N610Driver(CriuDriver):
                 raise
         finally:
             api.close()
-        return RestoredUnit(pid, handed)
+        return RestoredUnit(pid, handed, details=measured)
 
     # -- one unit of a workload on several hosts, step by step on its host (cuda_units.py) ----
 

@@ -22,6 +22,7 @@ import mmap
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,12 +62,18 @@ class ZeroPagesReport:
         return out
 
 
+def plain_vmas(mm_image: Path) -> list[Any]:
+    """The private anonymous areas (``VmaEntry``) of the memory map *mm_image*: where a page the
+    images do not list comes back as zeros."""
+    mm = img.parse("MmEntry", img.ImageFile.read(mm_image, img.MM_MAGIC).entries[0])
+    return [v for v in mm.vmas if v.status & img.VMA_ANON_PRIVATE and v.status & img.VMA_AREA_REGULAR and not v.status & _NOT_PLAIN]
+
+
 class _PlainAreas:
     """The private anonymous areas of one process, for address lookups."""
 
     def __init__(self, mm_image: Path) -> None:
-        mm = img.parse("MmEntry", img.ImageFile.read(mm_image, img.MM_MAGIC).entries[0])
-        areas = sorted((int(v.start), int(v.end)) for v in mm.vmas if v.status & img.VMA_ANON_PRIVATE and v.status & img.VMA_AREA_REGULAR and not v.status & _NOT_PLAIN)
+        areas = sorted((int(v.start), int(v.end)) for v in plain_vmas(mm_image))
         self.starts = [a for a, _ in areas]
         self.ends = [b for _, b in areas]
 
@@ -105,27 +112,20 @@ def _kept_runs(pages: mmap.mmap, offset: int, vaddr: int, count: int, areas: _Pl
 
 def _rewrite_process(images: Path, pid: int, report: ZeroPagesReport) -> None:
     pagemap_path = images / ("pagemap-%d.img" % pid)
-    mm_path = images / ("mm-%d.img" % pid)
-    if not mm_path.is_file():
-        report.skipped.append("%s: no mm-%d.img beside it" % (pagemap_path.name, pid))
-        return
-    areas = _PlainAreas(mm_path)
+    areas = _PlainAreas(images / ("mm-%d.img" % pid))
     pagemap = img.ImageFile.read(pagemap_path, img.PAGEMAP_MAGIC)
     head = img.parse("PagemapHead", pagemap.entries[0])
     pages_path = images / ("pages-%d.img" % head.pages_id)
     size = pages_path.stat().st_size
     if size == 0:
         return
-    new_entries, copies, offset, out_offset = [pagemap.entries[0]], [], 0, 0
+    new_entries, copies, out_offset = [pagemap.entries[0]], [], 0
     with open(pages_path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as pages:
-        for raw in pagemap.entries[1:]:
-            e = img.parse("PagemapEntry", raw)
-            count = img.entry_pages(e)
-            if not e.flags & img.PE_PRESENT:
+        for raw, e, offset in img.located_entries(pagemap, size, "%s, %s" % (pagemap_path.name, pages_path.name)):
+            if offset is None:
                 new_entries.append(raw)  # pages elsewhere (a parent image): nothing here to look at
                 continue
-            if offset + count * img.PAGE > size:
-                raise img.ImageFormatError("%s lists more pages than %s holds" % (pagemap_path.name, pages_path.name))
+            count = img.entry_pages(e)
             runs = _kept_runs(pages, offset, int(e.vaddr), count, areas)
             if runs == [(0, count)]:
                 new_entries.append(raw)
@@ -134,9 +134,6 @@ def _rewrite_process(images: Path, pid: int, report: ZeroPagesReport) -> None:
                 report.pages_left_out += count - sum(n for _, n in runs)
             copies += [(offset + s * img.PAGE, n * img.PAGE) for s, n in runs]
             out_offset += sum(n for _, n in runs) * img.PAGE
-            offset += count * img.PAGE
-    if offset != size:
-        raise img.ImageFormatError("%s holds %d bytes, %s lists %d" % (pages_path.name, size, pagemap_path.name, offset))
     report.processes += 1
     if out_offset == size:
         return
@@ -148,23 +145,30 @@ def _rewrite_process(images: Path, pid: int, report: ZeroPagesReport) -> None:
 
 def _replace_pages(pages_path: Path, copies: list[tuple[int, int]]) -> None:
     """Write the kept byte ranges of *pages_path*, in order, to a new file that replaces it
-    (copied inside the kernel; a failure leaves the old file as it was)."""
+    (a failure leaves the old file as it was)."""
     tmp = pages_path.with_suffix(".img.zero-pages")
     try:
-        with open(pages_path, "rb") as src, open(tmp, "wb") as dst:
-            for start, length in _merged(copies):
-                done = 0
-                while done < length:
-                    n = os.copy_file_range(src.fileno(), dst.fileno(), length - done, start + done)
-                    if n <= 0:
-                        raise OSError("copying %s stopped at byte %d" % (pages_path.name, start + done))
-                    done += n
+        copy_ranges(pages_path, tmp, copies)
         os.replace(tmp, pages_path)
     finally:
         tmp.unlink(missing_ok=True)
 
 
-def _merged(copies: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def copy_ranges(source: Path, target: Path, copies: list[tuple[int, int]]) -> None:
+    """Write the byte ranges (start, length) of *source*, in order, to a new file *target*
+    (copied inside the kernel, no byte passes through this process)."""
+    with open(source, "rb") as src, open(target, "wb") as dst:
+        for start, length in merged(copies):
+            done = 0
+            while done < length:
+                n = os.copy_file_range(src.fileno(), dst.fileno(), length - done, start + done)
+                if n <= 0:
+                    raise OSError("copying %s stopped at byte %d" % (source.name, start + done))
+                done += n
+
+
+def merged(copies: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Byte ranges (start, length) with each run of adjoining ones made one."""
     out: list[tuple[int, int]] = []
     for start, length in copies:
         if out and out[-1][0] + out[-1][1] == start:
@@ -178,20 +182,31 @@ def _pages_bytes(images: Path) -> int:
     return sum(p.stat().st_size for p in images.glob("pages-*.img"))
 
 
+def for_each_process(images: Path, rework: Callable[[int], None], skipped: list[str]) -> None:
+    """Call *rework* with the PID of each process whose private memory *images* hold (shared
+    memory's page maps, ``pagemap-shmem-*``, are not private memory); a process whose images
+    cannot be read is named in *skipped*."""
+    for pagemap_path in sorted(images.glob("pagemap-*.img")):
+        m = _PAGEMAP.fullmatch(pagemap_path.name)
+        if not m:
+            continue
+        pid = int(m.group(1))
+        if not (images / ("mm-%d.img" % pid)).is_file():
+            skipped.append("%s: no mm-%d.img beside it" % (pagemap_path.name, pid))
+            continue
+        try:
+            rework(pid)
+        except (img.ImageFormatError, DecodeError, IndexError) as err:
+            skipped.append(str(err))
+
+
 def leave_out_zero_pages(images: Path) -> ZeroPagesReport:
     """Rewrite the page maps and pages images in *images* without the zero pages of private
     anonymous memory. Processes whose images cannot be read stay as they are (named in
     ``skipped``); the dump restores either way."""
     t = time.monotonic()
     report = ZeroPagesReport(bytes_before=_pages_bytes(images))
-    for pagemap_path in sorted(images.glob("pagemap-*.img")):
-        m = _PAGEMAP.fullmatch(pagemap_path.name)
-        if not m:
-            continue  # shared memory's page maps (pagemap-shmem-*): not private memory
-        try:
-            _rewrite_process(images, int(m.group(1)), report)
-        except (img.ImageFormatError, DecodeError, IndexError) as err:
-            report.skipped.append(str(err))
+    for_each_process(images, lambda pid: _rewrite_process(images, pid, report), report.skipped)
     report.bytes_after = _pages_bytes(images)
     report.seconds = time.monotonic() - t
     return report

@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
     from sparkrun_coldsnap.documents.request import LaunchUnit, RestoreRequest, Workload
@@ -45,6 +45,9 @@ class RunningUnit(Protocol):
 
 class StagedUnit(Protocol):
     """A unit made ready for restore before the old workload is stopped."""
+
+    #: what staging and activation did, for the restore's receipt
+    details: dict[str, Any]
 
     def activate(self, name: str, *, log_path: Path, progress: Progress) -> RunningUnit:
         """Bring the unit back under workload *name*; the staged state is consumed."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +41,7 @@ class StagedContainer:
 
     driver: SnapshotDriver
     container: Any
+    details: dict[str, Any] = field(default_factory=dict)
 
     def activate(self, name: str, *, log_path: Path, progress: Progress) -> RunningUnit:
         container, self.container = self.container, None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +29,7 @@ class StagedTree:
     staging: Path
     warm: Any = None
     port: int | None = None
+    details: dict[str, Any] = field(default_factory=dict)
     _handed_over: bool = False
 
     def activate(self, name: str, *, log_path: Path, progress: Progress) -> RunningUnit:
@@ -36,6 +37,7 @@ class StagedTree:
         restored = self.driver.restore(self.image, self.images, log_path=log_path, progress=progress, owned_dir=self.staging, warm=warm, port=self.port)
         # A driver still reading the images (memory on demand) removes them itself when done.
         self._handed_over = restored.images_handed_over
+        self.details.update(restored.details)
         return StartedUnit(restored.root_pid, None, log_path)
 
     def discard(self) -> None:
@@ -55,6 +57,7 @@ class RestoredTree:
     root_pid: int
     log_path: Path
     on_handover: Callable[[], None] | None = None
+    details: dict[str, Any] = field(default_factory=dict)
 
     def activate(self, name: str, *, log_path: Path, progress: Progress) -> RunningUnit:
         if self.on_handover is not None:
@@ -85,4 +88,8 @@ class HostProcesses(Launcher):
         return driver.checkpoint(unit.root_pid, images, unit=unit_def.name, host=unit_def.host, progress=progress)
 
     def stage(self, driver: SnapshotDriver, image: UnitImage, images: Path, *, staging: Path, request: RestoreRequest) -> StagedTree:
-        return StagedTree(driver, image, images, staging, warm=driver.warm_up(image), port=request.workload.launch.port)
+        reworked = driver.stage_images(image, images)
+        staged = StagedTree(driver, image, images, staging, warm=driver.warm_up(image), port=request.workload.launch.port)
+        if reworked is not None:
+            staged.details["staged_images"] = reworked
+        return staged
