@@ -88,23 +88,22 @@ class AgentRestore:
         except ColdsnapError as err:
             raise RestoreError("restoring %s" % err.message) from err
 
-    def lock_network(self, u: LaunchUnit) -> None:
+    def _network_step(self, u: LaunchUnit, verb: str, what: str) -> None:
         held = self.images[u.name].driver_data.get("peer_tcp")
-        if held:
-            try:
-                self.hosts.agent(u, "network_lock", {"connections": held}, timeout=300)
-            except ColdsnapError as err:
-                raise RestoreError("holding back the connections of %s" % err.message) from err
+        if not held:
+            return  # no connection to another host's unit
+        try:
+            problems = self.hosts.agent(u, verb, {"connections": held}, timeout=300).get("problems")
+        except ColdsnapError as err:
+            raise RestoreError("%s %s" % (what, err.message)) from err
+        if problems:
+            raise RestoreError("%s unit %s on host %s: %s" % (what, u.name, u.host, "; ".join(problems)))
+
+    def lock_network(self, u: LaunchUnit) -> None:
+        self._network_step(u, "network_lock", "holding back the connections of")
 
     def unlock_network(self, u: LaunchUnit) -> None:
-        held = self.images[u.name].driver_data.get("peer_tcp")
-        if held:
-            try:
-                problems = self.hosts.agent(u, "network_unlock", {"connections": held}, timeout=300)["problems"]
-            except ColdsnapError as err:
-                raise RestoreError("letting through the connections of %s" % err.message) from err
-            if problems:
-                raise RestoreError("letting through the connections of unit %s on host %s: %s" % (u.name, u.host, "; ".join(problems)))
+        self._network_step(u, "network_unlock", "letting through the connections of")
 
     def adopt(self, u: LaunchUnit, root: int) -> None:
         self.hosts.adopt(u, root)

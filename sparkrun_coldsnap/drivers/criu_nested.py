@@ -27,7 +27,7 @@ import psutil
 from sparkrun_coldsnap.drivers import criu_tree, tree_inspect
 from sparkrun_coldsnap.drivers.base import Progress, UnitImage
 from sparkrun_coldsnap.drivers.criu_tool import Criu, how_it_ended, log_tail
-from sparkrun_coldsnap.host.process_tree import SHARED_MEMORY_DIRS, fd_targets, kill_tree, mapped_paths, tree, tree_pids
+from sparkrun_coldsnap.host.process_tree import SHARED_MEMORY_DIRS, fd_targets, inner_pid, kill_tree, mapped_paths, tree, tree_pids
 from sparkrun_coldsnap.host.runner import run
 
 
@@ -44,12 +44,6 @@ def namespace_init(root_pid: int) -> int | None:
         return None
     # The init is PID 1 of a namespace below the host's: it has two NSpid entries, the last 1.
     return init.pid if len(nspid) >= 2 and nspid[-1] == "1" else None
-
-
-def inner_pid(pid: int) -> int:
-    """*pid* as the tree's own namespace numbers it."""
-    with open("/proc/%d/status" % pid) as f:
-        return int(next(line.split()[-1] for line in f if line.startswith("NSpid:")))
 
 
 def _shared_files(root_pid: int, view: str) -> list[str]:

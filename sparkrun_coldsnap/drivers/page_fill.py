@@ -31,7 +31,7 @@ from typing import Any
 from sparkrun_coldsnap.drivers import criu_images as img
 from sparkrun_coldsnap.drivers.zero_pages import copy_ranges, for_each_process, plain_vmas
 from sparkrun_coldsnap.errors import RestoreError
-from sparkrun_coldsnap.host.process_tree import tree_pids
+from sparkrun_coldsnap.host.process_tree import inner_pid, threads_stopped, tree_pids
 
 #: areas smaller than this stay with CRIU: a fill pays off on the big ones
 MIN_AREA_BYTES = 1 << 20
@@ -218,17 +218,14 @@ def planned_bytes(images: Path) -> int:
 
 
 def image_pids(root_pid: int) -> dict[int, int]:
-    """The restored tree's processes by the PIDs the images give them (the last ``NSpid``: the
-    PID inside the tree's own PID namespace, the host's when it has none)."""
+    """The restored tree's processes by the PIDs the images give them (the PID inside the
+    tree's own PID namespace, the host's when it has none)."""
     out = {}
     for pid in tree_pids(root_pid):
         try:
-            status = Path("/proc/%d/status" % pid).read_text()
-        except OSError:
-            continue
-        for line in status.splitlines():
-            if line.startswith("NSpid:"):
-                out[int(line.split()[-1])] = pid
+            out[inner_pid(pid)] = pid
+        except (OSError, StopIteration):
+            continue  # gone meanwhile
     return out
 
 
@@ -238,25 +235,10 @@ def await_stopped(pids: list[int], *, timeout: float = 5.0) -> None:
     own code, and may not show stopped yet when ``criu`` returns."""
     deadline = time.monotonic() + timeout
     for pid in pids:
-        while not _stopped(pid):
+        while not threads_stopped(pid):
             if time.monotonic() > deadline:
                 raise RestoreError("restored pid %d did not stop after criu restore --leave-stopped: its memory cannot be written while it runs" % pid)
             time.sleep(0.001)
-
-
-def _stopped(pid: int) -> bool:
-    try:
-        tasks = os.listdir("/proc/%d/task" % pid)
-    except OSError:
-        return True  # gone: writing to it fails and says so
-    for tid in tasks:
-        try:
-            stat = Path("/proc/%d/task/%s/stat" % (pid, tid)).read_text()
-        except OSError:
-            continue
-        if stat[stat.rindex(")") + 2] not in "TtZX":
-            return False
-    return True
 
 
 def _write(pid: int, base: int, runs: list[tuple[int, int, int]]) -> int:

@@ -31,14 +31,43 @@ def tree_pids(root_pid: int) -> list[int]:
         return []
 
 
+def _stat_fields(path: str) -> list[str]:
+    """The fields of a ``/proc/.../stat`` file after the command name (field 3 on: the name may
+    hold spaces and parentheses, so it is cut at its last ``)``)."""
+    with open(path) as f:
+        stat = f.read()
+    return stat[stat.rindex(")") + 2 :].split()
+
+
 def start_ticks(pid: int) -> int:
     """When *pid* started, in clock ticks since boot (``/proc/PID/stat``): what tells a process
     from a later one that got its PID. Stable, where a start time in seconds of the wall clock
     (psutil's ``create_time``) moves with the boot time each reader computes anew, by whole
     seconds when the host's clock is adjusted."""
-    with open("/proc/%d/stat" % pid) as f:
-        stat = f.read()
-    return int(stat[stat.rindex(")") + 2 :].split()[19])  # field 22, counted after the name
+    return int(_stat_fields("/proc/%d/stat" % pid)[19])  # field 22
+
+
+def threads_stopped(pid: int) -> bool:
+    """Whether every thread of *pid* is stopped (or dead); a process gone counts as stopped."""
+    try:
+        tasks = os.listdir("/proc/%d/task" % pid)
+    except OSError:
+        return True
+    for tid in tasks:
+        try:
+            state = _stat_fields("/proc/%d/task/%s/stat" % (pid, tid))[0]
+        except OSError:
+            continue
+        if state not in ("T", "t", "Z", "X"):
+            return False
+    return True
+
+
+def inner_pid(pid: int) -> int:
+    """*pid* as its innermost PID namespace numbers it (the last ``NSpid``; the host's own PID
+    when it has no namespace of its own)."""
+    with open("/proc/%d/status" % pid) as f:
+        return int(next(line.split()[-1] for line in f if line.startswith("NSpid:")))
 
 
 def fd_targets(pid: int) -> list[tuple[int, str]]:
