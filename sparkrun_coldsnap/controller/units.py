@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -96,17 +97,19 @@ def rank0_endpoint(r: Resolved, w: Workload, hosts: UnitHosts) -> Endpoint:
 
 @contextlib.contextmanager
 def _io_uring_off(hosts: UnitHosts, units: Sequence[LaunchUnit]):
-    """io_uring off on every unit's host while their engines start and are dumped."""
+    """io_uring off on every unit's host while their engines start and are dumped; each host
+    counts this capture as one holder, known by its token, beside any capture of its own."""
+    token = uuid.uuid4().hex
     done: list[LaunchUnit] = []
     try:
         for u in units:
-            hosts.agent(u, "io_uring_off", {}, timeout=60)
+            hosts.agent(u, "io_uring_off", {"token": token}, timeout=60)
             done.append(u)
         yield
     finally:
         for u in reversed(done):
             with contextlib.suppress(ColdsnapError):
-                hosts.agent(u, "io_uring_back", {}, timeout=60)
+                hosts.agent(u, "io_uring_back", {"token": token}, timeout=60)
 
 
 Launch = Callable[[LaunchUnit], tuple[str, dict[str, str]]]

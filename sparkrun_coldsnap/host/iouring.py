@@ -3,8 +3,16 @@
 CRIU cannot dump an io_uring instance, and event loops (libuv, used by the
 engine's HTTP server) open one at start when the kernel allows it; an
 environment variable did not stop it, the kernel switch did. The switch is
-host-wide, so it is flipped only around a capture and put back afterwards;
-a lock serializes captures so one does not restore the setting under another.
+host-wide, so it is flipped only around a capture and put back afterwards.
+
+Several captures may hold it at once on one host: captures under different
+``COLDSNAP_HOME`` folders, a capture here beside a capture of a workload on
+several hosts whose coordinator holds it from elsewhere. So every one that
+needs it off registers as a holder, in a folder of the host's (not of a home),
+and the setting from before is put back only when the last holder lets go. A
+holder here is a process: one killed outright stops counting as soon as anyone
+looks. A holder on another host's behalf (``hold_off``) is known by a token,
+and stops counting when it lets go or after :data:`REMOTE_HOLD_SECONDS`.
 """
 
 from __future__ import annotations
@@ -12,97 +20,150 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 from sparkrun_coldsnap.errors import CaptureError
 from sparkrun_coldsnap.host import paths
+from sparkrun_coldsnap.host.process_tree import start_ticks
 
 SYSCTL = Path("/proc/sys/kernel/io_uring_disabled")
+#: the host's own state, shared by every home; the plugin's run folder where /run is not writable
+HOST_STATE = Path("/run/sparkrun-coldsnap")
+#: a hold on another host's behalf outlives any capture: the engine's start and the dump are bounded well below it
+REMOTE_HOLD_SECONDS = 6 * 3600
+
+
+def state_dir() -> Path:
+    base = HOST_STATE if os.access(HOST_STATE.parent, os.W_OK) else paths.run_dir()
+    d = base / "io_uring"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
 
 
 @contextlib.contextmanager
 def io_uring_disabled() -> Iterator[None]:
+    """io_uring off for the time of the block, held by this process."""
     if not SYSCTL.exists():
         yield  # kernel without io_uring or without the switch: nothing to do
         return
-    fd = _lock()
+    holder = "local-%d-%d-%s" % (os.getpid(), start_ticks(os.getpid()), uuid.uuid4().hex[:8])
+    _acquire(holder)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        old = _switch_off()
-        try:
-            yield
-        finally:
-            if old != "2":
-                SYSCTL.write_text(old)
-            _marker().unlink(missing_ok=True)
+        yield
     finally:
-        os.close(fd)
+        _release(holder)
 
 
-def hold_off() -> str | None:
-    """Turn io_uring off until :func:`put_back_after_crash` puts it back: for a capture whose
-    engine runs on another host, where no process of the capture stays to hold the switch.
-    The value to put back is kept as a crashed capture's is, so a later ``recover`` finds it
-    too. Returns the value before (None: no switch on this kernel)."""
+def hold_off(token: str) -> str | None:
+    """Turn io_uring off on behalf of a capture coordinated from another host, until
+    :func:`let_go` with the same *token*. Returns the value before (None: no switch)."""
     if not SYSCTL.exists():
         return None
-    fd = _lock()
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        return _switch_off()
-    finally:
-        os.close(fd)
+    return _acquire("remote-" + _checked(token))
 
 
-def _switch_off() -> str:
-    """io_uring off, the value before kept in the marker; the value before (under the lock)."""
-    # A capture killed outright left its marker: the value before it is the one to keep.
-    old = _marker_value() or SYSCTL.read_text().strip()
-    if old != "2":
-        _marker().write_text(old)
-        try:
-            SYSCTL.write_text("2")
-        except OSError as err:
-            _marker().unlink(missing_ok=True)
-            raise CaptureError("cannot disable io_uring for the capture (%s): run as root, or set kernel.io_uring_disabled=2 yourself" % err.strerror) from err
-    return old
-
-
-def _lock() -> int:
-    lock_path = paths.run_dir() / "io_uring.lock"
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    return os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-
-
-def _marker() -> Path:
-    """The setting to put back, kept while a capture holds io_uring off."""
-    return paths.run_dir() / "io_uring.previous"
-
-
-def _marker_value() -> str | None:
-    try:
-        value = _marker().read_text().strip()
-    except OSError:
+def let_go(token: str) -> str | None:
+    """End the hold of *token*; returns the value put back, if this was the last holder."""
+    if not SYSCTL.exists():
         return None
-    return value if value in ("0", "1") else None
+    return _release("remote-" + _checked(token))
 
 
 def put_back_after_crash() -> str | None:
-    """Put the setting back if a capture killed outright left io_uring off; returns the value put back."""
+    """Put the setting back if the captures that turned io_uring off are all gone (killed
+    outright, their holds never let go); returns the value put back."""
     if not SYSCTL.exists():
         return None
-    fd = _lock()
+    with _locked() as d:
+        return _put_back_if_unheld(d)
+
+
+def holders() -> list[str]:
+    """The holders counted now (those gone are not)."""
+    with _locked() as d:
+        return sorted(p.name for p in d.glob("holder-*") if _alive(p))
+
+
+def _checked(token: str) -> str:
+    if not token or not all(c.isalnum() or c in "-_" for c in token):
+        raise CaptureError("io_uring hold token %r: use letters, digits, '-' and '_'" % token)
+    return token
+
+
+@contextlib.contextmanager
+def _locked() -> Iterator[Path]:
+    """The host's state folder, under its lock: held only while holders and the setting change."""
+    d = state_dir()
+    fd = os.open(d / "lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return None  # a capture is under way and holds it
-        value = _marker_value()
-        if value is None:
-            return None
-        SYSCTL.write_text(value)
-        _marker().unlink(missing_ok=True)
-        return value
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield d
     finally:
         os.close(fd)
+
+
+def _acquire(holder: str) -> str:
+    with _locked() as d:
+        _prune(d)
+        # A capture killed outright left the value from before it: that one is to put back.
+        old = _marker_value(d) or SYSCTL.read_text().strip()
+        if old != "2":
+            (d / "previous").write_text(old)
+            try:
+                SYSCTL.write_text("2")
+            except OSError as err:
+                if not any(d.glob("holder-*")):
+                    (d / "previous").unlink(missing_ok=True)
+                raise CaptureError("cannot disable io_uring for the capture (%s): run as root, or set kernel.io_uring_disabled=2 yourself" % err.strerror) from err
+        (d / ("holder-" + holder)).write_text(str(time.time()))
+        return old
+
+
+def _release(holder: str) -> str | None:
+    with _locked() as d:
+        (d / ("holder-" + holder)).unlink(missing_ok=True)
+        return _put_back_if_unheld(d)
+
+
+def _put_back_if_unheld(d: Path) -> str | None:
+    _prune(d)
+    if any(d.glob("holder-*")):
+        return None
+    value = _marker_value(d)
+    if value is None:
+        return None
+    SYSCTL.write_text(value)
+    (d / "previous").unlink(missing_ok=True)
+    return value
+
+
+def _prune(d: Path) -> None:
+    for p in d.glob("holder-*"):
+        if not _alive(p):
+            p.unlink(missing_ok=True)
+
+
+def _alive(p: Path) -> bool:
+    kind, _, rest = p.name[len("holder-") :].partition("-")
+    if kind == "remote":
+        try:
+            since = float(p.read_text())
+        except (OSError, ValueError):
+            return False
+        return time.time() - since < REMOTE_HOLD_SECONDS
+    try:
+        pid, ticks, _ = rest.split("-", 2)
+        return start_ticks(int(pid)) == int(ticks)
+    except (OSError, ValueError):
+        return False  # the process is gone, or a name this version did not write
+
+
+def _marker_value(d: Path) -> str | None:
+    try:
+        value = (d / "previous").read_text().strip()
+    except OSError:
+        return None
+    return value if value in ("0", "1") else None

@@ -313,13 +313,13 @@ def native_place(doc: dict[str, Any]) -> dict[str, Any]:
 def io_uring_off(doc: dict[str, Any]) -> dict[str, Any]:
     from sparkrun_coldsnap.host.iouring import hold_off
 
-    return {"previous": hold_off()}
+    return {"previous": hold_off(str(doc["token"]))}
 
 
 def io_uring_back(doc: dict[str, Any]) -> dict[str, Any]:
-    from sparkrun_coldsnap.host.iouring import put_back_after_crash
+    from sparkrun_coldsnap.host.iouring import let_go
 
-    return {"restored": put_back_after_crash()}
+    return {"restored": let_go(str(doc["token"]))}
 
 
 def drop_page_cache(doc: dict[str, Any]) -> dict[str, Any]:
