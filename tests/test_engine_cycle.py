@@ -127,6 +127,23 @@ def test_sparkrun_run_restores_status_shows_stop_stops(captured, sparkrun, tmp_p
     wait_gone()
 
 
+def test_without_memory_on_demand_the_engine_comes_back_filled_by_several_threads(captured, sparkrun):
+    """The memory fill on the real engine's tree: its processes, threads and shared memory,
+    restored in namespaces of their own and filled from the host's side."""
+    store, recipe, receipt = captured
+    filling = Sparkrun(sparkrun.home, {**sparkrun.env, "COLDSNAP_LAZY_PAGES": "0", "COLDSNAP_PAGE_FILL": "2"})
+    filling("run", str(recipe), "-H", "localhost", "--no-follow")
+    try:
+        assert ask() == receipt["validation"]["reply"]
+        r = json.loads(sorted((store / "receipts" / "tiny").glob("*-restore.json"))[-1].read_text())
+        split, fill = r["details"]["staged_images"]["page_fill_split"], r["details"]["page_fill"]
+        assert split["processes"] >= 2 and split["bytes_moved"] > 100e6 and fill["bytes"] == split["bytes_moved"], r["details"]
+        assert fill["threads"] == 2 and r["validation"]["passed"]
+    finally:
+        sparkrun("stop", str(recipe), "-H", "localhost")
+        wait_gone()
+
+
 def test_a_second_run_replaces_the_first_which_serves_until_the_new_one_is_staged(captured, sparkrun):
     store, recipe, receipt = captured
     sparkrun("run", str(recipe), "-H", "localhost", "--no-follow")

@@ -26,7 +26,7 @@ from sparkrun_coldsnap.drivers.cpu import CpuDriver
 from sparkrun_coldsnap.drivers.criu_tool import Criu
 from sparkrun_coldsnap.drivers.n610 import N610Driver
 from sparkrun_coldsnap.errors import RestoreError
-from sparkrun_coldsnap.host.process_tree import kill_tree, tree_pids
+from sparkrun_coldsnap.host.process_tree import inner_pid, kill_tree, tree_pids
 
 
 def restore(image, images: Path, tmp_path: Path, *, lazy: bool = False, details: dict | None = None) -> int:
@@ -182,8 +182,33 @@ def test_a_unit_dumped_stopped_at_a_cut_across_hosts_is_filled_and_left_stopped(
         kill_tree(pid)
 
 
-def test_a_restore_in_namespaces_of_its_own_refuses_split_images(tmp_path):
+def test_a_tree_restored_in_namespaces_of_its_own_is_filled_from_the_host(tmp_path):
+    """The cpu driver's restore: the fill finds each process by the PID the images name,
+    its PID inside the namespace, not the host's."""
+    images, image, port, before = dump_pattern(tmp_path, PAGES)
+    split = page_fill.split_for_fill(images)
+    assert split.bytes_moved > 0
+    restored = CpuDriver().restore(image, images, log_path=tmp_path / "restore.log", progress=lambda m: None)
+    try:
+        assert restored.details["page_fill"]["bytes"] == split.bytes_moved, restored.details
+        root = restored.root_pid
+        assert os.readlink("/proc/%d/ns/pid" % root) != os.readlink("/proc/self/ns/pid") and inner_pid(root) == image.root_pid
+        assert digest(port) == before
+    finally:
+        kill_tree(restored.root_pid)
+
+
+def test_the_cpu_driver_splits_only_without_memory_on_demand(tmp_path, monkeypatch):
     images, image, _, _ = dump_pattern(tmp_path, PAGES)
-    page_fill.split_for_fill(images)
-    with pytest.raises(RestoreError, match="split for a page fill"):
-        CpuDriver().restore(image, images, log_path=tmp_path / "restore.log", progress=lambda m: None)
+    kept = tmp_path / "kept"
+    shutil.copytree(images, kept)
+    driver = CpuDriver()
+    with settings.using(settings.current().replace(page_fill_threads=0, lazy_pages=False)):
+        assert driver.stage_images(image, images) is None
+    monkeypatch.setattr(criu_tree, "_uffd", lambda argv: True)
+    with settings.using(settings.current().replace(page_fill_threads=2, lazy_pages=True)):
+        assert driver.stage_images(image, images) is None
+    assert page_fill.indexes(images) == [] and contents(images) == contents(kept)
+    with settings.using(settings.current().replace(page_fill_threads=2, lazy_pages=False)):
+        staged = driver.stage_images(image, images)
+    assert staged is not None and staged["page_fill_split"]["bytes_moved"] > 0, staged

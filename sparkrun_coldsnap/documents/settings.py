@@ -73,7 +73,7 @@ class Settings:
     #: ``COLDSNAP_N610_LAZY_PAGES``: memory on demand for ``n610`` restores (off: slower on the GPU).
     n610_lazy_pages: bool = False
     #: ``COLDSNAP_PAGE_FILL``: threads that write a restored tree's big private memory areas after
-    #: CRIU restored the rest (``n610``, memory on demand off); 0 (the default until it is
+    #: CRIU restored the rest (``n610``; ``cpu`` without memory on demand); 0 (the default until it is
     #: measured on the GPU machines): CRIU restores every page.
     page_fill_threads: int = 0
     #: ``COLDSNAP_REGISTER_PIECE_MIB``: a native payload in memory is registered with CUDA in

@@ -19,7 +19,8 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from sparkrun_coldsnap.drivers import criu_isolated, criu_nested, criu_tree, tree_inspect
+from sparkrun_coldsnap.documents import settings
+from sparkrun_coldsnap.drivers import criu_isolated, criu_nested, criu_tree, page_fill, tree_inspect
 from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, Support, UnitImage
 from sparkrun_coldsnap.drivers.criu_driver import CriuDriver
 from sparkrun_coldsnap.drivers.criu_tool import Criu
@@ -62,11 +63,20 @@ class CpuDriver(CriuDriver):
         # shared-memory names or ports: nothing on the host can be in its way.
         return []
 
+    def stage_images(self, unit: UnitImage, images: Path) -> dict[str, Any] | None:
+        # Memory on demand, where the host has it, delivers pages itself and beats writing
+        # them all on the CPU (most of an idle engine's memory is never touched to answer);
+        # without it the big areas are written by several threads rather than by CRIU's one.
+        if not settings.current().page_fill_threads or criu_tree.lazy_pages_supported(Criu.locate()):
+            return None
+        return {"page_fill_split": page_fill.split_for_fill(images).to_json()}
+
     def restore(
         self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, owned_dir: Path | None = None, warm: Any = None, port: int | None = None,
     ) -> RestoredUnit:  # fmt: skip
-        root, _keeper, handed = criu_isolated.restore(Criu.locate(), unit, images, log_path=log_path, progress=progress, host_port=port, owned_dir=owned_dir)
-        return RestoredUnit(root, images_handed_over=handed)
+        measured: dict[str, Any] = {}
+        root, _keeper, handed = criu_isolated.restore(Criu.locate(), unit, images, log_path=log_path, progress=progress, host_port=port, owned_dir=owned_dir, details=measured)
+        return RestoredUnit(root, images_handed_over=handed, details=measured)
 
     def checkpoint_container(self, unit: Any, images: Path, *, unit_name: str, host: str, spec: Any, progress: Progress) -> UnitImage:
         from sparkrun_coldsnap.documents.request import redact_env

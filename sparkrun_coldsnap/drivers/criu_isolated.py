@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -40,6 +41,7 @@ def inner_port(unit: UnitImage, host_port: int | None) -> int | None:
 
 def restore(
     criu: Criu, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, host_port: int | None, owned_dir: Path | None = None,
+    details: dict[str, Any] | None = None,
 ) -> tuple[int, int, bool]:  # fmt: skip
     """Restore *unit* in namespaces of its own; returns the host PIDs of its root and of its
     keeper, and whether *owned_dir* was handed over to the lazy-pages daemon.
@@ -53,11 +55,13 @@ def restore(
     by its inode, whatever mount namespace the path is walked from), and the pages the
     restored tasks fault on are served from the images the daemon reads. It removes
     *owned_dir* once every page has moved.
+
+    Images split for a fill (:mod:`sparkrun_coldsnap.drivers.page_fill`) come back stopped
+    and are filled from this side, the host's: the fill finds each process by the PID it
+    has inside the namespace, the one the images name. *details* receives the timings.
     """
-    if page_fill.indexes(images):
-        # Restored this way nothing would write the pages the split took out: they would be zeros.
-        raise RestoreError("the images of unit %s were split for a page fill, which a restore in namespaces of its own does not do: stage them again" % unit.name)
-    lazy = criu_tree.lazy_pages_supported(criu)
+    filling = bool(page_fill.indexes(images))
+    lazy = not filling and criu_tree.lazy_pages_supported(criu)
     pidfile = paths.run_dir() / ("restore-%d-%s.pid" % (os.getpid(), unit.name))
     pidfile.parent.mkdir(parents=True, exist_ok=True)
     pidfile.unlink(missing_ok=True)
@@ -68,6 +72,8 @@ def restore(
     daemon = criu_tree._start_lazy_daemon(criu, images, owned_dir) if lazy else None
     if daemon is not None:
         args.append("--lazy-pages")
+    if filling:
+        args.append("--leave-stopped")
     spec = {
         "criu_argv": list(criu.argv),
         "restore_args": args,
@@ -108,6 +114,8 @@ def restore(
             ended = "criu restore of unit %s in its own namespaces %s" % (unit.name, how_it_ended(int(words[1])))
             raise RestoreError("%s (after %.1f s): %s" % (ended, time.monotonic() - t, log_tail(images / RESTORE_LOG)))
         raise RestoreError("criu restore of unit %s in its own namespaces failed after %.1f s: %s" % (unit.name, time.monotonic() - t, said["error"].strip()))
+    if details is not None:
+        details["criu_restore_seconds"] = round(time.monotonic() - t, 4)
     # The keeper outlives this process (it forwards the port while the tree lives); nothing waits
     # for it here, so do not leave a Popen that would warn about it.
     keeper.returncode = 0
@@ -116,7 +124,11 @@ def restore(
         # A small tree's pages can all be delivered before criu restore has finished writing
         # its statistics there: the daemon's removal then raced it, so remove again.
         paths.remove_staging(owned_dir)
-    return int(said["root_pid"]), int(said["keeper_pid"]), handed
+    root = int(said["root_pid"])
+    if filling:
+        # A fill that fails ends the tree, and the keeper with it (it ends with its root).
+        criu_tree.fill_and_continue(unit, images, root, progress=progress, details=details)
+    return root, int(said["keeper_pid"]), handed
 
 
 def keeper_of(root_pid: int) -> int | None:

@@ -424,15 +424,15 @@ def restore(
     finally:
         pidfile.unlink(missing_ok=True)
     if filling:
-        _fill_and_continue(unit, images, root, progress=progress, details=details)
+        fill_and_continue(unit, images, root, progress=progress, details=details)
     return root, daemon is not None and owned_dir is not None
 
 
-def _fill_and_continue(unit: UnitImage, images: Path, root_pid: int, *, progress: Progress, details: dict[str, Any] | None) -> None:
+def fill_and_continue(unit: UnitImage, images: Path, root_pid: int, *, progress: Progress, details: dict[str, Any] | None) -> None:
     """Write the pages the split took out of *images* into the tree CRIU left stopped, then let
     it run; a fill that fails ends the tree (it would run with zeros for memory)."""
     threads = max(1, settings.current().page_fill_threads)
-    progress("writing %.1f GB of memory with %d threads" % (page_fill.planned_bytes(images) / 1e9, threads))
+    progress("page fill of %.1f GB of memory, %d threads" % (page_fill.planned_bytes(images) / 1e9, threads))
     try:
         report = page_fill.fill(images, root_pid, threads=threads)
     except BaseException as err:
