@@ -182,6 +182,8 @@ def rates(path: Mapping, bandwidth: Mapping[str, float], first_token_floor: floa
     floor = first_token_floor or 0.0
     for name, nbytes in moved.items():
         bound = BOUND_BY.get(name)
+        if name == "restore" and path.get("page_fill") and "memory_write_parallel" in bandwidth:
+            bound = "memory_write_parallel"
         if name == "hydrate" and "host_to_device" not in bandwidth:
             bound = "page_cache_read"
         if name == "hydrate" and not {"prepare.weights_cache", "prepare.weights_memory"} & set(moved) and "disk_read" in bandwidth:
@@ -199,7 +201,8 @@ def rates(path: Mapping, bandwidth: Mapping[str, float], first_token_floor: floa
     disk = bandwidth.get("disk_read")
     if disk:
         cold_bytes = moved.get("prepare.stage", 0) + moved.get("hydrate", 0)
-        out["cold_floor_seconds"] = cold_bytes / disk + moved.get("restore", 0) / bandwidth.get("memory_write", float("inf")) + (first_token_floor or 0.0)
+        memory = out["phases"].get("restore", {}).get("machine") or bandwidth.get("memory_write", float("inf"))
+        out["cold_floor_seconds"] = cold_bytes / disk + moved.get("restore", 0) / memory + (first_token_floor or 0.0)
     return out
 
 
@@ -224,6 +227,8 @@ def document(
             "steps_median": _medians([s.steps for s in mine]),
             "hydrate_steps_median": _medians([hydrate_steps(s.notes) for s in mine]),
             "bytes_median": {k: int(v) for k, v in _medians([s.bytes for s in mine]).items()},
+            # the restored memory written by several threads after criu restore, or by CRIU alone
+            "page_fill": any(s.notes.get("page_fill") for s in mine),
         }
         floors = [s.first_token_floor for s in mine if s.first_token_floor]
         if bandwidth:

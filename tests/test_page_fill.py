@@ -212,3 +212,16 @@ def test_the_cpu_driver_splits_only_without_memory_on_demand(tmp_path, monkeypat
     with settings.using(settings.current().replace(page_fill_threads=2, lazy_pages=False)):
         staged = driver.stage_images(image, images)
     assert staged is not None and staged["page_fill_split"]["bytes_moved"] > 0, staged
+
+
+def test_the_floor_of_a_filled_restore_counts_the_memory_written_by_several_threads():
+    from sparkrun_coldsnap.bench import rates
+    from sparkrun_coldsnap.host.bandwidth import fresh_memory_write
+
+    machine = {"memory_write": 1e9, "memory_write_parallel": 4e9, "disk_read": 1e9}
+    path = {"phases_median": {"restore": 1.0}, "bytes_median": {"restore": int(2e9), "prepare.stage": int(1e9)}}
+    alone, filled = rates(path, machine, 0.1), rates({**path, "page_fill": True}, machine, 0.1)
+    assert alone["phases"]["restore"]["bound_by"] == "memory_write" and alone["floor_seconds"] == pytest.approx(2.1)
+    assert filled["phases"]["restore"]["bound_by"] == "memory_write_parallel" and filled["floor_seconds"] == pytest.approx(0.6)
+    assert filled["cold_floor_seconds"] == pytest.approx(1.0 + 0.5 + 0.1)
+    assert fresh_memory_write(64 << 20, threads=3) > 0  # shares that do not divide the area evenly

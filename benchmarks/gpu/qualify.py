@@ -126,22 +126,34 @@ OPTIONS = {
     "serial": {"COLDSNAP_REGISTER_PIECE_MIB": "1024", "COLDSNAP_REGISTER_THREADS": "1"},
     # the CUDA state of the tree's processes restored one after the other, as before
     "serialcuda": {"COLDSNAP_CUDA_RESTORE": "serial"},
-    # the big private memory areas written by eight threads after criu restore (page_fill.py)
+    # the big private memory areas written by eight threads after criu restore (page_fill.py;
+    # the default since 2026-12-05 on a host of eight CPUs or more)
     "fill": {"COLDSNAP_PAGE_FILL": "8"},
+    # every page written by CRIU, as before the fill
+    "nofill": {"COLDSNAP_PAGE_FILL": "0"},
 }
 LABELS = {
     "": "", "nocache": ", no cache", "cold": ", nothing prepared", "whole": ", registered whole", "serial": ", registered on one thread",
     "pieces": ", registered in pieces", "serialcuda": ", CUDA restored serially", "fill": ", memory filled by 8 threads",
+    "nofill": ", every page by CRIU",
 }  # fmt: skip
 
 
 def split_path(path: str) -> tuple[str, str, str]:
     """``n610:native`` -> (driver, weights, option); a bare driver takes auto; a third part
-    names one of OPTIONS."""
+    names one of OPTIONS, or several joined by ``+`` (``cold+fill``)."""
     driver, weights, option = (path.split(":") + ["", ""])[:3]
-    if option not in OPTIONS:
-        sys.exit("path %r: the third part may only be one of %s" % (path, ", ".join(o for o in OPTIONS if o)))
+    if any(o not in OPTIONS for o in option.split("+")):
+        sys.exit("path %r: the third part may only be one of %s, or several joined by +" % (path, ", ".join(o for o in OPTIONS if o)))
     return driver, weights or "auto", option
+
+
+def option_settings(option: str) -> dict[str, str]:
+    return {k: v for o in option.split("+") for k, v in OPTIONS[o].items()}
+
+
+def option_label(option: str) -> str:
+    return "".join(LABELS[o] for o in option.split("+"))
 
 
 def engine_log_lines(pattern: str) -> list[str]:
@@ -188,10 +200,10 @@ def restores_for(args, store: CapsuleStore) -> tuple[dict, dict, dict]:
         except ColdsnapError as err:
             print("no capsule for %s: %s" % (path, err), flush=True)
             continue
-        label = (driver if weights == "auto" else "%s %s" % (driver, weights)) + LABELS[option]
+        label = (driver if weights == "auto" else "%s %s" % (driver, weights)) + option_label(option)
         restores[label] = (res, store)
         capsules[label] = {"ref": res.capsule.ref, "digest": entry.descriptor.digest}
-        environ[label] = settings.Settings.from_environ({**os.environ, **OPTIONS[option]})
+        environ[label] = settings.Settings.from_environ({**os.environ, **option_settings(option)})
     return restores, capsules, environ
 
 

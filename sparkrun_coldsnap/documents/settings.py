@@ -28,6 +28,12 @@ def _path(value: str) -> Path:
     return Path(value).expanduser()
 
 
+def default_page_fill_threads() -> int:
+    """Eight threads fill a restored tree's memory, or one per CPU where the host has fewer:
+    more than the CPUs only wait for each other."""
+    return max(1, min(8, os.cpu_count() or 1))
+
+
 def _whole_number(env: Mapping[str, str], name: str, default: int, *, least: int) -> int:
     raw = env.get(name, "").strip()
     if not raw:
@@ -73,9 +79,10 @@ class Settings:
     #: ``COLDSNAP_N610_LAZY_PAGES``: memory on demand for ``n610`` restores (off: slower on the GPU).
     n610_lazy_pages: bool = False
     #: ``COLDSNAP_PAGE_FILL``: threads that write a restored tree's big private memory areas after
-    #: CRIU restored the rest (``n610``; ``cpu`` without memory on demand); 0 (the default until it is
-    #: measured on the GPU machines): CRIU restores every page.
-    page_fill_threads: int = 0
+    #: CRIU restored the rest (``n610``; ``cpu`` without memory on demand); by default eight, or
+    #: the host's CPUs where it has fewer (an 8B vLLM's criu restore went from 1.40 s to 0.58 s on
+    #: a GPU host of 16 CPUs); 0: CRIU restores every page.
+    page_fill_threads: int = field(default_factory=lambda: default_page_fill_threads())
     #: ``COLDSNAP_REGISTER_PIECE_MIB``: a native payload in memory is registered with CUDA in
     #: pieces of this many MiB while the pieces before are copied (0: all of it at once, which
     #: was faster on the H200).
@@ -133,7 +140,7 @@ class Settings:
             zero_pages=env.get("COLDSNAP_ZERO_PAGES", "leave-out").lower() not in ("keep", *OFF),
             lazy_pages=env.get("COLDSNAP_LAZY_PAGES", "1") != "0",
             n610_lazy_pages=env.get("COLDSNAP_N610_LAZY_PAGES") == "1",
-            page_fill_threads=_whole_number(env, "COLDSNAP_PAGE_FILL", 0, least=0),
+            page_fill_threads=_whole_number(env, "COLDSNAP_PAGE_FILL", default_page_fill_threads(), least=0),
             register_piece_mib=_whole_number(env, "COLDSNAP_REGISTER_PIECE_MIB", 0, least=0),
             register_threads=_whole_number(env, "COLDSNAP_REGISTER_THREADS", 4, least=1),
             cuda_restore_parallel=_choice(env, "COLDSNAP_CUDA_RESTORE", {"parallel": True, "serial": False}, "parallel"),

@@ -10,9 +10,11 @@ add up to.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from sparkrun_coldsnap.host.chunked_read import read_chunks
@@ -36,15 +38,23 @@ def page_cache_read(path: Path, limit: int = 4 << 30) -> float:
     return n / max(time.monotonic() - t, 1e-9)
 
 
-def fresh_memory_write(nbytes: int = 1 << 30) -> float:
-    """Bytes per second written into memory never touched before (one thread)."""
-    src = os.urandom(CHUNK)
+def fresh_memory_write(nbytes: int = 1 << 30, *, threads: int = 1) -> float:
+    """Bytes per second written into memory never touched before, by *threads* threads each
+    writing its own share (the memory fill's pattern; one thread is CRIU's)."""
+    src = ctypes.create_string_buffer(os.urandom(CHUNK), CHUNK)
     area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(area))  # the view goes at once: only its address is kept
+    share = -(-nbytes // threads)
+
+    def write(start: int) -> None:
+        # ctypes lets go of the GIL for the copy: the threads fault and copy at once
+        for off in range(start, min(start + share, nbytes), CHUNK):
+            ctypes.memmove(base + off, src, min(CHUNK, nbytes - off, start + share - off))
+
     try:
         t = time.monotonic()
-        for off in range(0, nbytes, CHUNK):
-            n = min(CHUNK, nbytes - off)
-            area[off : off + n] = src[:n]
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(write, range(0, nbytes, share)))
         return nbytes / max(time.monotonic() - t, 1e-9)
     finally:
         area.close()
@@ -53,9 +63,14 @@ def fresh_memory_write(nbytes: int = 1 << 30) -> float:
 def measure(sample_file: Path | None, *, drop_cache: bool) -> dict[str, float]:
     """The machine's bandwidths in bytes per second; disk and page cache from *sample_file*
     (a large file on the disk restores read from, such as the weights)."""
+    from sparkrun_coldsnap.documents import settings
     from sparkrun_coldsnap.weights.page_cache import drop
 
     out = {"memory_write": fresh_memory_write()}
+    threads = settings.current().page_fill_threads
+    if threads > 1:
+        # what the memory fill after criu restore writes at (drivers/page_fill.py)
+        out["memory_write_parallel"] = fresh_memory_write(threads=threads)
     if sample_file is not None and sample_file.is_file():
         if drop_cache:
             drop()
