@@ -198,18 +198,17 @@ def test_a_tree_restored_in_namespaces_of_its_own_is_filled_from_the_host(tmp_pa
         kill_tree(restored.root_pid)
 
 
-def test_the_cpu_driver_splits_only_without_memory_on_demand(tmp_path, monkeypatch):
+def test_the_cpu_driver_splits_unless_the_fill_is_off_even_with_memory_on_demand(tmp_path, monkeypatch):
     images, image, _, _ = dump_pattern(tmp_path, PAGES)
     kept = tmp_path / "kept"
     shutil.copytree(images, kept)
     driver = CpuDriver()
-    with settings.using(settings.current().replace(page_fill_threads=0, lazy_pages=False)):
-        assert driver.stage_images(image, images) is None
     monkeypatch.setattr(criu_tree, "_uffd", lambda argv: True)
-    with settings.using(settings.current().replace(page_fill_threads=2, lazy_pages=True)):
-        assert driver.stage_images(image, images) is None
+    for lazy in (True, False):
+        with settings.using(settings.current().replace(page_fill_threads=0, lazy_pages=lazy)):
+            assert driver.stage_images(image, images) is None
     assert page_fill.indexes(images) == [] and contents(images) == contents(kept)
-    with settings.using(settings.current().replace(page_fill_threads=2, lazy_pages=False)):
+    with settings.using(settings.current().replace(page_fill_threads=2, lazy_pages=True)):
         staged = driver.stage_images(image, images)
     assert staged is not None and staged["page_fill_split"]["bytes_moved"] > 0, staged
 
@@ -225,3 +224,40 @@ def test_the_floor_of_a_filled_restore_counts_the_memory_written_by_several_thre
     assert filled["phases"]["restore"]["bound_by"] == "memory_write_parallel" and filled["floor_seconds"] == pytest.approx(0.6)
     assert filled["cold_floor_seconds"] == pytest.approx(1.0 + 0.5 + 0.1)
     assert fresh_memory_write(64 << 20, threads=3) > 0  # shares that do not divide the area evenly
+
+
+@pytest.mark.parametrize("linked", [False, True], ids=["own-copy", "hard-linked-copy"])
+def test_images_staged_on_a_tmpfs_give_their_pages_back_as_they_are_written(tmp_path, linked):
+    dumped, image, port, before = dump_pattern(tmp_path, 4096)  # 16 MiB in the parent and the child
+    shm = Path("/dev/shm") / ("fill-test-%d" % os.getpid())
+    shutil.rmtree(shm, ignore_errors=True)
+    try:
+        if linked:  # a second link to every file, as a copy kept pristine beside the staging would be
+            (shm / "pristine").mkdir(parents=True)
+            shutil.copytree(dumped, shm / "pristine" / "images")
+            shutil.copytree(shm / "pristine" / "images", shm / "images", copy_function=os.link)
+        else:
+            shutil.copytree(dumped, shm / "images")
+        images = shm / "images"
+        moved = page_fill.split_for_fill(images).bytes_moved
+        data = sorted(images.glob("fill-*.pages"))
+        assert moved >= 2 * 4096 * img.PAGE - (2 << 20) and data
+        pid = restore(image, images, tmp_path)
+        try:
+            assert digest(port) == before
+        finally:
+            kill_tree(pid)
+        held = sum(p.stat().st_blocks * 512 for p in data)
+        if linked:
+            # The other link still needs every byte: nothing is given back, the images stay usable.
+            assert not page_fill.spent(images) and held >= moved
+            return
+        # Only what CRIU restored itself is still held (the data file is the whole pages image).
+        assert page_fill.spent(images) and held <= sum(p.stat().st_size for p in data) - moved, (held, moved)
+        # What is left would come back as zeros: a second restore of these images is refused
+        # before CRIU starts anything.
+        with pytest.raises(RestoreError, match="already used by a memory fill.*stage them again"):
+            restore(image, images, tmp_path)
+        assert alive(image.pids) == []
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)

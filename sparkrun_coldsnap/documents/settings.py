@@ -74,12 +74,12 @@ class Settings:
     cache_in_background: bool = False
     #: ``COLDSNAP_ZERO_PAGES``: ``leave-out`` drops zero pages of private memory from dumps; ``keep`` keeps them.
     zero_pages: bool = True
-    #: ``COLDSNAP_LAZY_PAGES``: memory on demand for the ``cpu`` driver's restores.
+    #: ``COLDSNAP_LAZY_PAGES``: memory on demand for the ``cpu`` driver's restores, with the fill off.
     lazy_pages: bool = True
     #: ``COLDSNAP_N610_LAZY_PAGES``: memory on demand for ``n610`` restores (off: slower on the GPU).
     n610_lazy_pages: bool = False
     #: ``COLDSNAP_PAGE_FILL``: threads that write a restored tree's big private memory areas after
-    #: CRIU restored the rest (``n610``; ``cpu`` without memory on demand); by default eight, or
+    #: CRIU restored the rest (``n610``, ``cpu``); by default eight, or
     #: the host's CPUs where it has fewer (an 8B vLLM's criu restore went from 1.40 s to 0.58 s on
     #: a GPU host of 16 CPUs); 0: CRIU restores every page.
     page_fill_threads: int = field(default_factory=lambda: default_page_fill_threads())

@@ -49,7 +49,7 @@ def restore(
     With *host_port* the tree gets a network namespace too, and the keeper forwards that
     port of the host to the captured one; without, it serves on the host's network.
 
-    Memory comes back on demand where the host can: the ``criu lazy-pages`` daemon runs in
+    Without a memory fill, memory comes back on demand where the host can: the ``criu lazy-pages`` daemon runs in
     the host's namespaces and listens on a socket among the images; the restore inside
     reaches it through the keeper's descriptor of the images directory (a socket is found
     by its inode, whatever mount namespace the path is walked from), and the pages the
@@ -60,7 +60,7 @@ def restore(
     and are filled from this side, the host's: the fill finds each process by the PID it
     has inside the namespace, the one the images name. *details* receives the timings.
     """
-    filling = bool(page_fill.indexes(images))
+    filling = page_fill.fill_planned(images)
     lazy = not filling and criu_tree.lazy_pages_supported(criu)
     pidfile = paths.run_dir() / ("restore-%d-%s.pid" % (os.getpid(), unit.name))
     pidfile.parent.mkdir(parents=True, exist_ok=True)

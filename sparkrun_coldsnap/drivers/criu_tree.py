@@ -370,7 +370,7 @@ def restore(
     every page now: CRIU leaves the tree stopped, the fill writes the pages it took out, then
     the tree is continued. *details* receives the timings.
     """
-    filling = bool(page_fill.indexes(images))
+    filling = page_fill.fill_planned(images)
     lazy = lazy and not filling  # the fill writes every page before the tree runs
     # Not among the images: with memory on demand the daemon removes those as soon as the
     # last page is delivered, which for a small tree can come before the pidfile is read.

@@ -7,7 +7,9 @@ private anonymous memory is taken out of CRIU's images (``split_for_fill``): CRI
 those areas back as zeros (see :mod:`sparkrun_coldsnap.drivers.zero_pages` for why that is
 sound, a child's inherited areas included) and leaves the tree stopped; ``fill`` then
 writes the pages into the stopped processes with ``process_vm_writev`` from a pool of
-threads, over every process's pages at once, before the tree is continued.
+threads, over every process's pages at once, before the tree is continued. Staged on a
+tmpfs, the data file's pages are given back as they are written (a virtual machine that
+returns freed memory to its hypervisor otherwise faults every fresh page in through it).
 
 The split moves no page: the original pages image becomes the fill's data file (a second
 link to it), and small new pages and page map images keep only what CRIU still restores.
@@ -36,10 +38,15 @@ from sparkrun_coldsnap.host.process_tree import inner_pid, threads_stopped, tree
 #: areas smaller than this stay with CRIU: a fill pays off on the big ones
 MIN_AREA_BYTES = 1 << 20
 #: bytes one thread writes in one go: small enough that the biggest process spreads over
-#: every thread, big enough that the calls cost nothing beside the page faults
-CHUNK_BYTES = 32 << 20
+#: every thread and that little staged memory is held before it is given back (below), big
+#: enough that the calls cost nothing beside the page faults
+CHUNK_BYTES = 8 << 20
 _IOV_MAX = 1024  # iovecs one process_vm_writev takes
 _MAP_HUGETLB = 0x40000
+_TMPFS_MAGIC = 0x01021994
+_FALLOC_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+#: written in the images' folder once a fill has given their pages back: they restore no more
+SPENT = "fill-spent"
 
 
 def index_path(images: Path, pid: int) -> Path:
@@ -197,6 +204,14 @@ _libc.process_vm_writev.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+
+class _Statfs(ctypes.Structure):
+    _fields_ = [("f_type", ctypes.c_long), ("rest", ctypes.c_long * 15)]
+
+
+_libc.statfs.argtypes = [ctypes.c_char_p, ctypes.POINTER(_Statfs)]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -210,6 +225,14 @@ class FillReport:
     def to_json(self) -> dict[str, Any]:
         rate = self.bytes / self.seconds / 1e9 if self.seconds else 0.0
         return {"bytes": self.bytes, "processes": self.processes, "threads": self.threads, "seconds": round(self.seconds, 4), "gb_per_s": round(rate, 2)}
+
+
+def fill_planned(images: Path) -> bool:
+    """Whether *images* were split for a fill; refused once a fill gave their pages back, since
+    CRIU would then restore those areas as zeros with nothing to write them."""
+    if spent(images):
+        raise RestoreError("the staged images in %s were already used by a memory fill, which gave their pages back: stage them again" % images)
+    return bool(indexes(images))
 
 
 def planned_bytes(images: Path) -> int:
@@ -293,10 +316,44 @@ def _mapped(path: Path) -> tuple[int, int]:
     return addr, size
 
 
+def spent(images: Path) -> bool:
+    """Whether a fill gave the pages of *images* back: what is left would restore zeros."""
+    return (images / SPENT).exists()
+
+
+def _on_tmpfs(path: Path) -> bool:
+    st = _Statfs()
+    return _libc.statfs(os.fsencode(path), ctypes.byref(st)) == 0 and st.f_type == _TMPFS_MAGIC
+
+
+def _give_back_as_written(images: Path, data: Path) -> int | None:
+    """A descriptor to punch *data*'s pages out as they are written, or None to keep them.
+
+    Staged on a tmpfs, the data file holds as much memory as the tree is about to take. Freed
+    chunk by chunk as it is written, that memory is what the tree's next page faults pick up,
+    still held by the host: a virtual machine that hands freed memory back to its hypervisor
+    (free page reporting) otherwise faults each fresh page in through the hypervisor, several
+    times slower. Only a file with no other link (a hard-linked copy of a pristine dump stays
+    whole) and only once *images* are marked spent (they restore nothing after this)."""
+    if not _on_tmpfs(data) or data.stat().st_nlink != 1:
+        return None
+    (images / SPENT).write_text("the memory fill gave these pages back: stage the images again\n")
+    return os.open(data, os.O_RDWR | os.O_CLOEXEC)
+
+
+def _write_and_give_back(pid: int, base: int, runs: list[tuple[int, int, int]], fd: int | None) -> int:
+    written = _write(pid, base, runs)
+    if fd is not None:
+        for _, length, offset in runs:
+            _libc.fallocate(fd, _FALLOC_PUNCH_HOLE, offset, length)  # a hole not punched only costs memory
+    return written
+
+
 def fill(images: Path, root_pid: int, *, threads: int) -> FillReport:
     """Write the pages ``split_for_fill`` took out of *images* into the restored (stopped) tree
     at *root_pid*, from *threads* threads over every process's pages at once."""
     t = time.monotonic()
+    fill_planned(images)
     plans = [json.loads(p.read_text()) for p in indexes(images)]
     restored = image_pids(root_pid)
     missing = [plan["pid"] for plan in plans if plan["pid"] not in restored]
@@ -304,7 +361,8 @@ def fill(images: Path, root_pid: int, *, threads: int) -> FillReport:
         raise RestoreError("process %d of the images is not in the tree restored at pid %d" % (missing[0], root_pid))
     await_stopped([restored[plan["pid"]] for plan in plans])
     maps: list[tuple[int, int]] = []
-    work: list[tuple[int, int, list[tuple[int, int, int]]]] = []
+    fds: list[int] = []
+    work: list[tuple[int, int, list[tuple[int, int, int]], int | None]] = []
     try:
         for plan in plans:
             base, size = _mapped(images / plan["data"])
@@ -312,10 +370,13 @@ def fill(images: Path, root_pid: int, *, threads: int) -> FillReport:
             runs = [(int(v), int(n), int(o)) for v, n, o in plan["runs"]]
             if any(o + n > size for _, n, o in runs):
                 raise RestoreError("%s is shorter than its fill index says: the staged images are damaged, stage them again" % plan["data"])
-            work += [(restored[plan["pid"]], base, chunk) for chunk in _chunks(runs)]
+            fd = _give_back_as_written(images, images / plan["data"])
+            if fd is not None:
+                fds.append(fd)
+            work += [(restored[plan["pid"]], base, chunk, fd) for chunk in _chunks(runs)]
         count = max(1, min(threads, len(work)))
         with ThreadPoolExecutor(max_workers=count, thread_name_prefix="page-fill") as pool:
-            futures = [pool.submit(_write, pid, base, chunk) for pid, base, chunk in work]
+            futures = [pool.submit(_write_and_give_back, pid, base, chunk, fd) for pid, base, chunk, fd in work]
             try:
                 written = sum(f.result() for f in futures)
             except BaseException:
@@ -325,4 +386,6 @@ def fill(images: Path, root_pid: int, *, threads: int) -> FillReport:
         for base, size in maps:
             if size:
                 _libc.munmap(base, size)
+        for fd in fds:
+            os.close(fd)
     return FillReport(bytes=written, processes=len(plans), threads=count, seconds=time.monotonic() - t)
