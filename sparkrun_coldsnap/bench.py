@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import statistics
+import textwrap
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -81,7 +82,8 @@ def phase_bytes(cap: Capsule, receipt) -> dict[str, int]:
         "restore": sum(int((d.annotations or {}).get(A_UNPACKED_SIZE, d.size)) for d in layers),
     }
     for key in ("weights_memory", "weights_cache", "files_cache"):
-        read = (receipt.details.get(key) or {}).get("bytes")
+        detail = receipt.details.get(key) or {}
+        read = detail.get("read", detail.get("bytes"))  # from the disk: a packed copy reads fewer than it writes
         if read:
             out["prepare." + key] = int(read)
     if receipt.weights is not None and receipt.weights.bytes:
@@ -197,10 +199,12 @@ def rates(path: Mapping, bandwidth: Mapping[str, float], first_token_floor: floa
         out["phases"][name] = row
     out["first_token_floor"] = first_token_floor
     out["floor_seconds"] = floor
-    # a node with nothing prepared reads the capsule and the weights from the disk first
+    # a node with nothing prepared reads the capsule, the files the tree maps and the weights
+    # (as preparation read them: a packed copy is fewer bytes) from the disk first
     disk = bandwidth.get("disk_read")
     if disk:
-        cold_bytes = moved.get("prepare.stage", 0) + moved.get("hydrate", 0)
+        weights = moved.get("prepare.weights_memory") or moved.get("prepare.weights_cache") or moved.get("hydrate", 0)
+        cold_bytes = moved.get("prepare.stage", 0) + moved.get("prepare.files_cache", 0) + weights
         memory = out["phases"].get("restore", {}).get("machine") or bandwidth.get("memory_write", float("inf"))
         out["cold_floor_seconds"] = cold_bytes / disk + moved.get("restore", 0) / memory + (first_token_floor or 0.0)
     return out
@@ -307,20 +311,27 @@ def plot(doc: dict, path: Path) -> Path | None:
     names = [VANILLA, *doc["paths"]]
     medians = [doc["vanilla_ttft"]["median"]] + [p["ttft"]["median"] for p in doc["paths"].values()]
     labels = ["vanilla start"] + [("%s" if doc.get("lifecycle") else "ColdSnap restore (%s)") % n for n in doc["paths"]]
-    fig, ax = plt.subplots(figsize=(7.5, 1.6 + 0.8 * len(names)), dpi=120)
+    # a restore's preparation + restore (what a node with nothing prepared waits), drawn faint behind it
+    totals = [None] + [(p.get("total") or {}).get("median") if not doc.get("lifecycle") else None for p in doc["paths"].values()]
+    fig, ax = plt.subplots(figsize=(10, 1.8 + 0.8 * len(names)), dpi=120)
     palette = ["#2b7bb9", "#e07b39", "#4d9e52"]
     colors = ["#9aa5b1"] + [palette[i % len(palette)] for i in range(len(names) - 1)]
+    shown = [t for t in totals if t]
+    if shown:
+        ax.barh(labels, [t or 0.0 for t in totals], color=colors, alpha=0.25, height=0.55, label="preparation + restore")
     ax.barh(labels, medians, color=colors, height=0.55)
-    top = max(medians + [s["ttft_seconds"] for s in doc["samples"]])
+    top = max(medians + shown + [s["ttft_seconds"] for s in doc["samples"]])
     for y, name in enumerate(names):
         xs = [s["ttft_seconds"] for s in doc["samples"] if s["path"] == name]
         ax.scatter(xs, [y] * len(xs), color="black", s=14, zorder=3, label="samples" if y == 0 else None)
-        ax.text(max(xs + [medians[y]]) + top * 0.02, y, "median %.2f s" % medians[y], va="center", fontsize=9)
+        text = "median %.2f s" % medians[y] + (" (with preparation %.2f s)" % totals[y] if totals[y] else "")
+        ax.text(max(xs + [medians[y], totals[y] or 0.0]) + top * 0.02, y, text, va="center", fontsize=9)
     ax.invert_yaxis()
     ax.set_xlabel("seconds to first non-empty streamed token (page cache dropped)")
     speedups = ", ".join("%s %.1fx" % (n, p["speedup_median"]) for n, p in doc["paths"].items())
-    ax.set_title("%s: %s faster (medians of %d)" % (doc["recipe"], speedups, doc["vanilla_ttft"]["n"]), fontsize=10)
-    ax.set_xlim(0, top * 1.3)
+    title = "%s: %s faster (medians of %d)" % (doc["recipe"], speedups, doc["vanilla_ttft"]["n"])
+    ax.set_title(textwrap.fill(title, 80), fontsize=10)
+    ax.set_xlim(0, top * 1.45)
     ax.legend(loc="lower right", fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path)

@@ -19,7 +19,7 @@ import pytest
 import requests
 from conftest import BIN, RECIPE, Sparkrun, base_env, require_engine, write_recipe
 
-from sparkrun_coldsnap.host import paths
+from sparkrun_coldsnap.host import paths, xstate_perm
 from sparkrun_coldsnap.launch import checkpoint_leftovers, lazy_runtime
 
 pytestmark = pytest.mark.engine
@@ -174,6 +174,12 @@ def test_capture_in_a_container_restore_into_a_new_one(captured, sparkrun):
     restores = sorted((store / "receipts" / "tiny-docker").glob("*-restore.json"))
     r = json.loads(restores[-1].read_text())
     assert r["validation"]["passed"] and {p["name"] for p in r["phases"]} >= {"prepare.container", "restore", "validate"}
+    # The container's processes, found by their host PIDs under its init, asked again for the
+    # AMX tiles runc's CRIU restored them without (oneDNN uses them on an AMX host).
+    if xstate_perm.tiles_supported():
+        assert r["details"]["amx_permission"]["processes"] >= 2 and r["details"]["amx_permission"]["refused"] == 0, r["details"]
+    else:
+        assert "amx_permission" not in r["details"]
 
 
 def test_docker_stop_treats_the_restored_container_like_any_other(captured, sparkrun):

@@ -19,6 +19,8 @@ import time
 import pytest
 from test_two_node_run import chat, host_processes, prepare_run, rank_logs, run_logged, share_model_cache
 
+from sparkrun_coldsnap.host import xstate_perm
+
 pytestmark = pytest.mark.engine
 
 CLUSTER = ("--cluster", "two-node")
@@ -75,6 +77,14 @@ def test_capture_two_hosts_restore_both_units_through_sparkrun_run_status_and_st
         out = run_logged(sparkrun, tmp_path / "run.log", "run", str(recipe), *CLUSTER, "--no-follow")
         assert "distributed state restored 2/2" in out and "reply matches capture" in out, out
         assert chat(head.address)
+        # Each host's agent gave its unit's processes back their AMX tile permission (where the
+        # host has tiles) while the unit was still stopped at the cut.
+        restore = json.loads(sorted((store / "receipts" / "tiny-vllm-cpu-two-node").glob("*-restore.json"))[-1].read_text())
+        for unit in restore["details"]["units"].values():
+            if xstate_perm.tiles_supported():
+                assert unit["amx_permission"]["processes"] >= 2 and unit["amx_permission"]["refused"] == 0, restore["details"]["units"]
+            else:
+                assert "amx_permission" not in unit
         status = sparkrun("status", *CLUSTER).stdout
         assert head.address in status and worker.address in status, status
         serving = {h.address: host_processes(h) for h in two_node.hosts}

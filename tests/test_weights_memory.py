@@ -52,3 +52,31 @@ def test_a_copy_that_fails_leaves_nothing_mounted(payload, use_settings, tmp_pat
         weights_memory.copy_into_memory([payload / "rank-0.bin", unreadable])
     assert not any(t.startswith(str(weights_memory.root())) for t in mounts())
     assert list(weights_memory.root().iterdir()) == []
+
+
+def test_a_copy_still_under_way_is_waited_for_once_and_let_go_with_its_choice(payload, use_settings, tmp_path, monkeypatch):
+    import threading
+
+    from sparkrun_coldsnap.documents.receipts import ReceiptBuilder
+    from sparkrun_coldsnap.weights.weight_paths import WeightChoice
+
+    use_settings(home=tmp_path / "home")
+    go = threading.Event()
+    calls = []
+
+    def staged_later(cfg, choice, rb, progress):
+        go.wait(10)
+        calls.append(choice)
+        return WeightChoice("native", payload, in_memory=weights_memory.copy_into_memory(sorted(payload.iterdir())))
+
+    monkeypatch.setattr(weights_memory, "stage_for_restore", staged_later)
+    choice = WeightChoice("native", payload)
+    job = weights_memory.start_staging(None, choice, ReceiptBuilder("restore"), weights_memory.QUIET)  # type: ignore[arg-type]
+    assert job is not None and weights_memory.start_staging(None, WeightChoice("recovery"), ReceiptBuilder("restore"), weights_memory.QUIET) is None  # type: ignore[arg-type]
+    pending = WeightChoice("native", payload, pending=job)
+    go.set()
+    settled = pending.settled()
+    assert settled.in_memory is not None and (settled.in_memory.directory / "rank-0.bin").read_bytes() == (payload / "rank-0.bin").read_bytes()
+    assert calls == [choice] and pending.settled() is settled  # waited for once
+    pending.release_memory()
+    assert str(settled.in_memory.directory) not in mounts()

@@ -24,7 +24,7 @@ rm -rf "$OUT/vllm-whole"
 
 # The plugin with sparkrun's exact pins (its pydantic differs from vLLM's): a target of its own.
 # What the machine's image already has (numpy, matplotlib, pillow, ...) is not carried.
-pip download --quiet "${PLAT[@]}" -d "$OUT/plugin" sparkrun==0.4.2 pluggy oras psutil zstandard requests rich jsonschema pyelftools "protobuf>=5.26"
+pip download --quiet "${PLAT[@]}" -d "$OUT/plugin" sparkrun==0.4.2 pluggy oras psutil zstandard blosc2 requests rich jsonschema pyelftools "protobuf>=5.26"
 rm -f "$OUT"/plugin/{numpy,matplotlib,pillow,fonttools,contourpy,kiwisolver,cycler,pyparsing,python_dateutil}-*.whl
 .venv/bin/pip wheel --quiet --no-deps -w "$OUT/plugin" .
 

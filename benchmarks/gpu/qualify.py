@@ -131,11 +131,15 @@ OPTIONS = {
     "fill": {"COLDSNAP_PAGE_FILL": "8"},
     # every page written by CRIU, as before the fill
     "nofill": {"COLDSNAP_PAGE_FILL": "0"},
+    # the native payload copied into memory from the file itself, not from its packed copy
+    "raw": {"COLDSNAP_PACKED_PAYLOAD": "off"},
+    # from its packed copy (capture made one where COLDSNAP_PACKED_PAYLOAD was on)
+    "packed": {"COLDSNAP_PACKED_PAYLOAD": "on"},
 }
 LABELS = {
     "": "", "nocache": ", no cache", "cold": ", nothing prepared", "whole": ", registered whole", "serial": ", registered on one thread",
     "pieces": ", registered in pieces", "serialcuda": ", CUDA restored serially", "fill": ", memory filled by 8 threads",
-    "nofill": ", every page by CRIU",
+    "nofill": ", every page by CRIU", "raw": ", payload read as written", "packed": ", payload read packed",
 }  # fmt: skip
 
 

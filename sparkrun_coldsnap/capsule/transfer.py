@@ -38,7 +38,7 @@ from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor, split_ref
 from sparkrun_coldsnap.digests import canonical_json, sha256_bytes, short
 from sparkrun_coldsnap.errors import ColdsnapError, IntegrityError, RequestError, StoreError
 from sparkrun_coldsnap.progress import QUIET, Progress
-from sparkrun_coldsnap.weights import model_files, native_payload
+from sparkrun_coldsnap.weights import model_files, native_payload, packed_payload
 
 A_WEIGHTS_ARTIFACT = media.PREFIX + ".weights-artifact"
 
@@ -282,6 +282,7 @@ def pull_native(client: RegistryClient, cap: Capsule, *, progress: Progress = QU
             target.parent.mkdir(parents=True, exist_ok=True)
             client.fetch_blob(f.sha256, f.size, target, tick=tick)
     native_payload.install(staged, record)
+    packed_payload.keep_packed(native_payload.directory(record), record.files, progress)
     return len(record.files)
 
 

@@ -29,7 +29,7 @@ from sparkrun_coldsnap.host.ports import port_holder
 from sparkrun_coldsnap.host.process_tree import tree_pids
 from sparkrun_coldsnap.launch.base import RunningUnit
 from sparkrun_coldsnap.progress import QUIET, Progress
-from sparkrun_coldsnap.weights import model_files, native_payload, weight_paths
+from sparkrun_coldsnap.weights import model_files, native_payload, packed_payload, weight_paths
 
 
 @dataclass
@@ -185,6 +185,8 @@ def _checkpoint_at_capture_point(run: CaptureRun) -> tuple[UnitImage, Validation
     if r.driver.checkpoints_serving:
         validation = _ready_and_validated(run, run.t0)
         native = (reused_native(run) or _export_native(run)) if run.native_wanted else None
+        if native is not None:
+            pack_native(native, rb, progress)
         if r.driver.needs_release:
             with rb.phase("release_memory"):
                 r.adapter.release_memory(run.endpoint)
@@ -256,6 +258,13 @@ def reused_native(run: CaptureRun) -> NativePayload | None:
         return None
     run.rb.details["native_reused"] = record.digest
     return record
+
+
+def pack_native(record: NativePayload, rb: ReceiptBuilder, progress: Progress) -> None:
+    """Keep a packed copy of the payload beside it: a node reading it from the disk reads about
+    two thirds of the bytes."""
+    with rb.phase("native_pack"):
+        rb.details["native_packed"] = packed_payload.keep_packed(native_payload.directory(record), record.files, progress)
 
 
 def _export_native(run: CaptureRun) -> NativePayload | None:

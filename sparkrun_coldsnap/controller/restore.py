@@ -3,6 +3,7 @@ still serves), then activate (restore, bring the weights back, validate)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,13 @@ def prepare_restore(
     t = time.monotonic()
     with settings_mod.using(settings), Attempt(rb) as attempt:
         cap, r, choice, held = open_and_admit(req, store, settings, rb, replacing=replacing)
+        background = settings.cache_in_background
+        # The payload is copied into memory on a thread of its own while the capsule is
+        # unpacked and the tree's files are read: on a node with nothing prepared all three
+        # wait on the disk, and one after the other they added up.
+        job = weights_memory.start_staging(cap.config, choice, rb, progress) if choice is not None and settings.weights_memory and r.adapter.maps_native else None
+        if job is not None:
+            attempt.on_failure(job.discard)
         if staged_at is None:
             staging = new_restore_staging(store, unpacked_size(cap))
             attempt.on_failure(lambda: paths.remove_staging(staging))
@@ -127,13 +135,16 @@ def prepare_restore(
             staged = r.launcher.stage(r.driver, image, staging / "units" / image.name, staging=staging, request=req)
         attempt.on_failure(staged.discard)
         rb.details.update(staged.details)
-        background = settings.cache_in_background
-        if choice is not None and settings.weights_memory and r.adapter.maps_native and not background:
-            choice = weights_memory.stage_for_restore(cap.config, choice, rb, progress)
-            attempt.on_failure(choice.release_memory)
-        if choice is not None and choice.in_memory is None:
-            choice = page_cache.cache_for_restore(cap.config, choice, req.workload.model.path, rb, progress, enabled=settings.weights_cache, background=background)
         page_cache.cache_tree_files(cap.config.units, rb, progress, enabled=settings.files_cache, background=background)
+        if job is not None and background:
+            # A node with nothing prepared: the restore goes ahead while the copy goes on;
+            # hydration waits for it (phase hydrate.wait).
+            choice = dataclasses.replace(choice, pending=job) if choice is not None else None
+        elif job is not None:
+            choice = job.result()
+            attempt.on_failure(choice.release_memory)
+        if choice is not None and choice.in_memory is None and choice.pending is None:
+            choice = page_cache.cache_for_restore(cap.config, choice, req.workload.model.path, rb, progress, enabled=settings.weights_cache, background=background)
         return PreparedRestore(req, cap, r, settings, rb, staged, prepare_seconds=time.monotonic() - t, weights=choice, held_by_replaced=held)
 
 
@@ -166,6 +177,9 @@ def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Pro
             h = None
             if prepared.weights is not None:
                 choice = prepared.weights
+                if choice.pending is not None:  # the payload still on its way into memory
+                    with rb.phase("hydrate.wait"):
+                        choice = choice.settled()
                 with rb.phase("hydrate"), progress.waiting("hydrating weights (%s)" % choice.path):
                     h = r.adapter.hydrate(
                         endpoint, path=choice.path, model_dir=w.model.path or "", native_dir=str(choice.native_dir) if choice.native_dir else None, cached=choice.cached,

@@ -80,13 +80,17 @@ class AgentRestore:
 
     def __init__(self, hosts: UnitHosts, images: dict[str, UnitImage], staged: dict[str, str], driver: str) -> None:
         self.hosts, self.images, self.staged, self.driver = hosts, images, staged, driver
+        #: what each unit's host measured of its restore, by unit name
+        self.details: dict[str, dict[str, Any]] = {}
 
     def restore(self, u: LaunchUnit) -> int:
         doc = {"image": self.images[u.name].model_dump(mode="json"), "images": self.staged[u.name], "name": self.hosts.rank_name(u)}
         try:
-            return int(self.hosts.agent(u, "restore", doc, timeout=1800)["pid"])
+            answer = self.hosts.agent(u, "restore", doc, timeout=1800)
         except ColdsnapError as err:
             raise RestoreError("restoring %s" % err.message) from err
+        self.details[u.name] = dict(answer.get("details") or {})
+        return int(answer["pid"])
 
     def _network_step(self, u: LaunchUnit, verb: str, what: str) -> None:
         held = self.images[u.name].driver_data.get("peer_tcp")

@@ -169,6 +169,11 @@ def activate_units(prepared: PreparedUnits, *, progress: Progress = QUIET) -> Se
                 u.name: {"host": u.host, "root_pid": roots[u.name], "restore_seconds": round(done.phases[u.name]["restore"], 4), "phases": {k: round(v, 4) for k, v in done.phases[u.name].items()}}
                 for u in units
             }  # fmt: skip
+            for u in units:
+                # Each host's count of its unit's processes given back their AMX tile permission.
+                tiles = steps.details.get(u.name, {}).get("amx_permission")
+                if tiles is not None:
+                    rb.details["units"][u.name]["amx_permission"] = tiles
             rb.details["barriers"] = {k: round(v, 4) for k, v in done.barriers.items()}
             return ServingOutcome(finish(rb, None), roots[units[0].name], validation.ttft_seconds, _NoUnit(units[0].host))
     finally:

@@ -68,6 +68,10 @@ class Settings:
     weights_cache: bool = True
     #: ``COLDSNAP_WEIGHTS_MEMORY``: copy a native payload into huge-page memory during preparation.
     weights_memory: bool = True
+    #: ``COLDSNAP_PACKED_PAYLOAD``: keep a compressed copy of a native payload (made at capture) and
+    #: copy the payload into memory from it: fewer bytes from the disk, more disk spent. Off until
+    #: measured faster than the file itself on the GPU machines (docs/benchmarks.md).
+    packed_payload: bool = False
     #: ``COLDSNAP_FILES_CACHE``: read the files the captured tree maps into the page cache during preparation.
     files_cache: bool = True
     #: ``COLDSNAP_CACHE_IN_BACKGROUND``: preparation starts those reads and goes on without waiting for them.
@@ -135,6 +139,7 @@ class Settings:
             memory_staging=None if staging == "off" else Path(staging),
             weights_cache=env.get("COLDSNAP_WEIGHTS_CACHE", "auto").lower() not in OFF,
             weights_memory=env.get("COLDSNAP_WEIGHTS_MEMORY", "auto").lower() not in OFF,
+            packed_payload=env.get("COLDSNAP_PACKED_PAYLOAD", "off").lower() not in OFF,
             files_cache=env.get("COLDSNAP_FILES_CACHE", "auto").lower() not in OFF,
             cache_in_background=env.get("COLDSNAP_CACHE_IN_BACKGROUND") == "1",
             zero_pages=env.get("COLDSNAP_ZERO_PAGES", "leave-out").lower() not in ("keep", *OFF),

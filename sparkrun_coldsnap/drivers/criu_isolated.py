@@ -27,7 +27,7 @@ from sparkrun_coldsnap.drivers.base import Progress, UnitImage
 from sparkrun_coldsnap.drivers.criu_tool import Criu, how_it_ended, log_tail
 from sparkrun_coldsnap.drivers.criu_tree import BASE_FLAGS, RESTORE_LOG, TCP_FLAGS
 from sparkrun_coldsnap.errors import RestoreError
-from sparkrun_coldsnap.host import paths
+from sparkrun_coldsnap.host import paths, xstate_perm
 
 KEEPER = "sparkrun_coldsnap.drivers.namespace_keeper"
 
@@ -58,7 +58,9 @@ def restore(
 
     Images split for a fill (:mod:`sparkrun_coldsnap.drivers.page_fill`) come back stopped
     and are filled from this side, the host's: the fill finds each process by the PID it
-    has inside the namespace, the one the images name. *details* receives the timings.
+    has inside the namespace, the one the images name. Either way its processes get back the
+    AMX tile permission CRIU does not restore (:mod:`sparkrun_coldsnap.host.xstate_perm`)
+    before this returns. *details* receives the timings.
     """
     filling = page_fill.fill_planned(images)
     lazy = not filling and criu_tree.lazy_pages_supported(criu)
@@ -128,6 +130,9 @@ def restore(
     if filling:
         # A fill that fails ends the tree, and the keeper with it (it ends with its root).
         criu_tree.fill_and_continue(unit, images, root, progress=progress, details=details)
+    else:
+        # Running already, its memory coming on demand or copied by CRIU: before the port is used.
+        xstate_perm.give_back_tiles(root, unit_name=unit.name, details=details)
     return root, int(said["keeper_pid"]), handed
 
 

@@ -35,7 +35,7 @@ from sparkrun_coldsnap.drivers import page_fill, tree_inspect
 from sparkrun_coldsnap.drivers.base import Progress, SharedFile, UnitImage
 from sparkrun_coldsnap.drivers.criu_tool import Criu, how_it_ended, log_tail
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
-from sparkrun_coldsnap.host import connections, paths, peer_lock
+from sparkrun_coldsnap.host import connections, paths, peer_lock, xstate_perm
 from sparkrun_coldsnap.host.process_tree import fd_targets, kill_tree, shared_memory_files, tree_pids, users_of
 from sparkrun_coldsnap.host.runner import run
 from sparkrun_coldsnap.host.sparse import copy_sparse
@@ -368,7 +368,9 @@ def restore(
 
     Images split for a fill (:mod:`sparkrun_coldsnap.drivers.page_fill`) are restored with
     every page now: CRIU leaves the tree stopped, the fill writes the pages it took out, then
-    the tree is continued. *details* receives the timings.
+    the tree is continued. Either way its processes get back the AMX tile permission CRIU
+    does not restore (:mod:`sparkrun_coldsnap.host.xstate_perm`) before this returns.
+    *details* receives the timings.
     """
     filling = page_fill.fill_planned(images)
     lazy = lazy and not filling  # the fill writes every page before the tree runs
@@ -425,12 +427,16 @@ def restore(
         pidfile.unlink(missing_ok=True)
     if filling:
         fill_and_continue(unit, images, root, progress=progress, details=details)
+    else:
+        # Running already (or stopped as dumped at a cut): before it is sent anything.
+        xstate_perm.give_back_tiles(root, unit_name=unit.name, details=details)
     return root, daemon is not None and owned_dir is not None
 
 
 def fill_and_continue(unit: UnitImage, images: Path, root_pid: int, *, progress: Progress, details: dict[str, Any] | None) -> None:
-    """Write the pages the split took out of *images* into the tree CRIU left stopped, then let
-    it run; a fill that fails ends the tree (it would run with zeros for memory)."""
+    """Write the pages the split took out of *images* into the tree CRIU left stopped, give its
+    processes back their AMX tile permission, then let it run; a fill that fails ends the tree
+    (it would run with zeros for memory)."""
     threads = max(1, settings.current().page_fill_threads)
     progress("page fill of %.1f GB of memory, %d threads" % (page_fill.planned_bytes(images) / 1e9, threads))
     try:
@@ -443,6 +449,9 @@ def fill_and_continue(unit: UnitImage, images: Path, root_pid: int, *, progress:
     log.debug("page fill wrote %d bytes into %d processes in %.3f s with %d threads", report.bytes, report.processes, report.seconds, report.threads)
     if details is not None:
         details["page_fill"] = report.to_json()
+    # Every thread is in its stop now (the fill waited for it): none can reach a tile
+    # instruction before its process has asked again.
+    xstate_perm.give_back_tiles(root_pid, unit_name=unit.name, details=details)
     # A unit of a workload on several hosts was dumped stopped at the cut: it comes back
     # stopped either way, and the coordinator continues every unit at once.
     if unit.driver_data.get("peer_connections"):

@@ -26,6 +26,7 @@ from sparkrun_coldsnap.digests import sha256_file
 from sparkrun_coldsnap.documents.strict import Strict
 from sparkrun_coldsnap.errors import ToolError
 from sparkrun_coldsnap.host.process_tree import fd_targets, mapped_paths
+from sparkrun_coldsnap.host.resident_pages import resident_ranges
 from sparkrun_coldsnap.host.runner import run
 
 # Pseudo-files and kernel-provided mappings: not on any file system a host upgrades.
@@ -43,6 +44,9 @@ class RecordedFile(Strict):
     build_id: str | None = Field(None, description="The ELF build-ID (GNU note), what CRIU checks for a mapped library.")
     package: str | None = Field(None, description="The host package that owns the file, as name=version; set instead of sha256.")
     sha256: str | None = Field(None, description="Content digest, for files no host package owns.")
+    resident: tuple[tuple[int, int], ...] | None = Field(
+        None, description="Byte ranges (offset, length) of the file whose pages the tree had mapped in at capture: what preparation reads ahead; none: the whole file (not mapped, or recorded before ranges were).",
+    )
 
 
 def build_id(path: str) -> str | None:
@@ -107,8 +111,10 @@ def tree_files(pids: Iterable[int]) -> list[str]:
 def record(pids: Iterable[int], *, skip: Iterable[str] = ()) -> tuple[RecordedFile, ...]:
     """What the tree depends on, file by file (*skip*: files recorded elsewhere, such as its log)."""
     skipped = set(skip)
+    pids = list(pids)
     paths = [p for p in tree_files(pids) if p not in skipped]
     owned = owners(paths)
+    resident = resident_ranges(pids)
     out = []
     for path in paths:
         try:
@@ -120,6 +126,7 @@ def record(pids: Iterable[int], *, skip: Iterable[str] = ()) -> tuple[RecordedFi
             RecordedFile(
                 path=path, size=st.st_size, mtime_ns=st.st_mtime_ns, build_id=build_id(path), package=package,
                 sha256=None if package else sha256_file(Path(path))[0],
+                resident=tuple(resident[path]) if path in resident else None,
             )
         )  # fmt: skip
     return tuple(out)

@@ -213,8 +213,11 @@ def restore(doc: dict[str, Any]) -> dict[str, Any]:
     if held:
         raise RestoreError("; ".join(held))
     _, log_path = local_record_paths(str(doc["name"]))  # the rank's own log: sparkrun logs reads it
-    pid, _ = criu_tree.restore(Criu.locate(), unit, Path(doc["images"]), log_path=log_path, progress=_quiet)
-    return {"pid": pid}
+    details: dict[str, Any] = {}
+    # The tree comes back stopped as it was dumped at the cut, its AMX tile permission given
+    # back before the coordinator continues it.
+    pid, _ = criu_tree.restore(Criu.locate(), unit, Path(doc["images"]), log_path=log_path, progress=_quiet, details=details)
+    return {"pid": pid, "details": details}
 
 
 def network_lock(doc: dict[str, Any]) -> dict[str, Any]:

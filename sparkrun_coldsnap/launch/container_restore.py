@@ -12,7 +12,8 @@ Preparation (before eviction, off the clock):
 
 Activation (on the clock):
   take sparkrun's name, refusing when another container holds it; ``docker start
-  --checkpoint``. Then, off the clock, drop docker's checkpoint and containerd's
+  --checkpoint``; give the restored processes back their AMX tile permission
+  (host/xstate_perm.py). Then, off the clock, drop docker's checkpoint and containerd's
   unpacked copy (both links).
 
 Faults leave nothing behind: the container is removed (docker's ``--rm`` removes a
@@ -33,7 +34,7 @@ from pathlib import Path
 from sparkrun_coldsnap.drivers import criu_tree
 from sparkrun_coldsnap.drivers.criu_tool import Criu, log_tail
 from sparkrun_coldsnap.errors import RestoreError, ToolError
-from sparkrun_coldsnap.host import disk_room, paths
+from sparkrun_coldsnap.host import disk_room, paths, xstate_perm
 from sparkrun_coldsnap.launch import checkpoint_leftovers, checkpoint_links, lazy_runtime, volume_files
 from sparkrun_coldsnap.launch import docker as d
 
@@ -101,7 +102,8 @@ def start_from_checkpoint(unit: d.ContainerUnit, name: str) -> d.ContainerUnit:
     """Give the prepared container sparkrun's *name* (the old workload is gone by now) and
     resume it from its checkpoint.
 
-    The seconds each step took land in ``unit.steps``.
+    The seconds each step took land in ``unit.steps``; the processes given back their AMX
+    tile permission in ``unit.amx_permission``.
     """
     images = unit.images
     assert images is not None, "start of a container that was not prepared"
@@ -121,7 +123,13 @@ def start_from_checkpoint(unit: d.ContainerUnit, name: str) -> d.ContainerUnit:
         raise
     if out.returncode != 0:
         _give_up(unit, out.tail(1))
-    _step(steps, "docker_start_checkpoint", t)
+    t = _step(steps, "docker_start_checkpoint", t)
+    # runc's CRIU restored the tree without its AMX tile permission: the container's processes
+    # are the host's too (by their host PIDs, under the container's init), asked again here,
+    # before anything reaches the engine.
+    unit.amx_permission = xstate_perm.give_back_tiles(unit.root_pid, unit_name=unit.name)
+    if unit.amx_permission is not None:
+        _step(steps, "amx_permission", t)
     # From here on the daemon, if any, lives as long as the restored tree needs it.
     unit.lazy_daemon, unit.images = None, None
     # Clearing up after the start is off the clock: docker's checkpoint (links) and

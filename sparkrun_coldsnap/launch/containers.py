@@ -45,7 +45,11 @@ class StagedContainer:
 
     def activate(self, name: str, *, log_path: Path, progress: Progress) -> RunningUnit:
         container, self.container = self.container, None
-        return self.driver.start_container(container, name, progress)
+        running = self.driver.start_container(container, name, progress)
+        tiles = getattr(running, "amx_permission", None)
+        if tiles is not None:
+            self.details["amx_permission"] = tiles
+        return running
 
     def discard(self) -> None:
         if self.container is not None:

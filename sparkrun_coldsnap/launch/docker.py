@@ -194,6 +194,8 @@ class ContainerUnit:
     steps: dict[str, float] = field(default_factory=dict)
     #: the prepared restore's lazy-pages daemon (a Popen), until the restore has started
     lazy_daemon: Any = None
+    #: a restore's processes given back their AMX tile permission (None: the host has no tiles)
+    amx_permission: dict[str, int] | None = None
 
     @property
     def root_pid(self) -> int:

@@ -24,7 +24,8 @@ def model_files(model_dir: Path) -> list[Path]:
     root = Path(model_dir)
     if not root.is_dir():
         raise RequestError("model directory %s does not exist: download the model (or run `sparkrun coldsnap setup`) first" % root)
-    return sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+    # Hidden names are not the model's: a download tool's bookkeeping, a payload's packed copy.
+    return sorted(p for p in root.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
 
 
 class DigestCache:

@@ -15,7 +15,7 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from sparkrun_coldsnap.errors import ToolError
+from sparkrun_coldsnap.host import resident_pages
 from sparkrun_coldsnap.weights import weight_paths
 
 if TYPE_CHECKING:
@@ -73,9 +74,10 @@ def plan(files: Sequence[Path], available: int | None = None) -> Plan:
     return Plan(tuple(files), sum(f.stat().st_size for f in files), memory_available() if available is None else available)
 
 
-def read_ahead(files: Sequence[Path], tick: Callable[[int], None] | None = None) -> int:
-    """Read every file once, in ranges spread over a few threads (one large file is the usual
-    case: a native payload), so the kernel keeps them cached; returns the bytes read."""
+def read_ahead(files: Sequence[Path], tick: Callable[[int], None] | None = None, spans: Mapping[Path, Sequence[tuple[int, int]]] | None = None) -> int:
+    """Read every file once (only its *spans*, byte ranges, where given), in ranges spread over
+    a few threads (one large file is the usual case: a native payload), so the kernel keeps
+    them cached; returns the bytes read."""
     fds: list[int] = []
     local = threading.local()
 
@@ -98,7 +100,9 @@ def read_ahead(files: Sequence[Path], tick: Callable[[int], None] | None = None)
         for f in files:
             fds.append(fd := os.open(f, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
             size = os.fstat(fd).st_size
-            tasks += [(fd, off, min(RANGE, size - off)) for off in range(0, size, RANGE)]
+            for start, length in (spans or {}).get(f, ((0, size),)):
+                end = min(size, start + length)
+                tasks += [(fd, off, min(RANGE, end - off)) for off in range(start, end, RANGE)]
         with ThreadPoolExecutor(READERS) as pool:
             return sum(pool.map(one, tasks))
     finally:
@@ -106,27 +110,39 @@ def read_ahead(files: Sequence[Path], tick: Callable[[int], None] | None = None)
             os.close(fd)
 
 
-def _read_quietly(files: Sequence[Path]) -> None:
+def _read_quietly(files: Sequence[Path], spans: Mapping[Path, Sequence[tuple[int, int]]] | None) -> None:
     with contextlib.suppress(OSError):
-        read_ahead(files)
+        read_ahead(files, spans=spans)
 
 
-def _read_into_cache(files: Sequence[Path], what: str, key: str, rb: ReceiptBuilder, progress: Progress, *, background: bool = False) -> bool:
+def span_bytes(files: Sequence[Path], spans: Mapping[Path, Sequence[tuple[int, int]]]) -> int:
+    """How many bytes of *files* reading only their *spans* (where given) reads."""
+    total = 0
+    for f in files:
+        size = f.stat().st_size
+        total += sum(max(0, min(size, a + n) - a) for a, n in spans[f]) if f in spans else size
+    return total
+
+
+def _read_into_cache(
+    files: Sequence[Path], what: str, key: str, rb: ReceiptBuilder, progress: Progress, *, background: bool = False,
+    spans: Mapping[Path, Sequence[tuple[int, int]]] | None = None,
+) -> bool:  # fmt: skip
     """Read *files* into the page cache when they fit; the receipt says what was read, or why not.
     *background*: start reading and return at once (a node with nothing prepared: the restore
     goes ahead meanwhile and finds whatever was read by the time it needs it)."""
     t = time.monotonic()
     try:
-        p = plan(files)
+        p = plan(files) if spans is None else Plan(tuple(files), span_bytes(files, spans), memory_available())
         if not p.fits:
             rb.details[key] = {"skipped": p.why_not()}
             return False
         if background:
-            threading.Thread(target=_read_quietly, args=(p.files,), name="coldsnap-%s" % key, daemon=True).start()
+            threading.Thread(target=_read_quietly, args=(p.files, spans), name="coldsnap-%s" % key, daemon=True).start()
             rb.details[key] = {"bytes": p.total, "files": len(files), "background": True}
             return True
         with rb.phase("prepare.%s" % key), progress.transfer("reading %d %s into the page cache" % (len(files), what), p.total) as tick:
-            read = read_ahead(files, tick)
+            read = read_ahead(files, tick, spans)
     except OSError as err:  # only a head start: the restore reads the files itself and reports what is wrong
         rb.details[key] = {"skipped": "reading %s failed: %s" % (err.filename or "a file", err.strerror)}
         return False
@@ -152,10 +168,18 @@ def cache_tree_files(units: Iterable[UnitImage], rb: ReceiptBuilder, progress: P
     """Read the files the captured tree mapped or held open (the engine's libraries and code)
     into the page cache. A restored process maps them again as they were and its first request
     runs through their pages: after a cold start of the host those would come from the disk,
-    on the clock (about a second for a CUDA engine's libraries)."""
+    on the clock (about a second for a CUDA engine's libraries). Of a file whose resident
+    ranges capture recorded, only those are read (host/resident_pages.py)."""
     if not enabled:
         rb.details["files_cache"] = {"skipped": "COLDSNAP_FILES_CACHE=off"}
         return
-    files = sorted({Path(f.path) for u in units for f in u.files if os.path.isfile(f.path)})
+    recorded = [f for u in units for f in u.files if os.path.isfile(f.path)]
+    files = sorted({Path(f.path) for f in recorded})
+    whole = {Path(f.path) for f in recorded if f.resident is None}
+    spans: dict[Path, list[tuple[int, int]]] = {}
+    for f in recorded:
+        if f.resident is not None and Path(f.path) not in whole:
+            spans.setdefault(Path(f.path), []).extend(f.resident)
+    spans = {path: resident_pages.join(ranges) for path, ranges in spans.items()}
     if files:
-        _read_into_cache(files, "file(s) the workload maps", "files_cache", rb, progress, background=background)
+        _read_into_cache(files, "file(s) the workload maps", "files_cache", rb, progress, background=background, spans=spans)

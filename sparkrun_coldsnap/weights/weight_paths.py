@@ -18,7 +18,7 @@ from sparkrun_coldsnap.engines.base import EngineAdapter
 from sparkrun_coldsnap.weights import native_payload
 
 if TYPE_CHECKING:
-    from sparkrun_coldsnap.weights.weights_memory import WeightsInMemory
+    from sparkrun_coldsnap.weights.weights_memory import StagingJob, WeightsInMemory
 
 
 def writes_native(w: Workload, driver: SnapshotDriver, adapter: EngineAdapter) -> bool:
@@ -38,10 +38,17 @@ class WeightChoice:
     problem: str | None = None  # what refuses the restore
     cached: bool = False  # preparation read the files into the page cache
     in_memory: WeightsInMemory | None = None  # preparation copied the payload into memory
+    pending: StagingJob | None = None  # that copy still under way (a node with nothing prepared)
 
     def release_memory(self) -> None:
+        if self.pending is not None:
+            self.pending.discard()
         if self.in_memory is not None:
             self.in_memory.release()
+
+    def settled(self) -> WeightChoice:
+        """This choice once a copy into memory still under way has ended (in memory, or not)."""
+        return self.pending.result() if self.pending is not None else self
 
 
 def source_files(cfg: CapsuleConfig, path: str) -> tuple[ModelFile, ...]:

@@ -9,7 +9,9 @@ bus's speed (~55 GB/s there); huge pages keep that registration to a few thousan
 The copy is made while the old workload still serves (preparation), on a tmpfs of its own
 mounted for it (``huge=always``), and unmounted once hydration is over or the restore is
 given up. The source is read with direct I/O where the file system allows it, so the page
-cache does not hold a second copy.
+cache does not hold a second copy; where the payload has a packed copy
+(:mod:`sparkrun_coldsnap.weights.packed_payload`), that is read instead and decompressed into
+place by several threads: about two thirds of the bytes from the disk.
 """
 
 from __future__ import annotations
@@ -19,14 +21,18 @@ import os
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sparkrun_coldsnap.errors import ToolError
+from sparkrun_coldsnap.documents import settings as settings_mod
+from sparkrun_coldsnap.errors import IntegrityError, ToolError
 from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.host.chunked_read import read_chunks
-from sparkrun_coldsnap.weights import page_cache, weight_paths
+from sparkrun_coldsnap.progress import QUIET
+from sparkrun_coldsnap.weights import packed_payload, page_cache, weight_paths
 
 if TYPE_CHECKING:
     from sparkrun_coldsnap.capsule.config import CapsuleConfig
@@ -43,6 +49,7 @@ class WeightsInMemory:
     directory: Path
     huge_pages: bool
     bytes: int
+    read: int = 0  # bytes read from the disk for it (fewer than ``bytes`` from packed copies)
 
     def release(self) -> None:
         """Unmount and remove (idempotent; lazily, should the engine still map a file)."""
@@ -87,18 +94,48 @@ def _copy(src: Path, dst: Path) -> int:
         os.close(fd_out)
 
 
-def copy_into_memory(files: list[Path]) -> WeightsInMemory:
-    """Copy *files* (one directory's) into a fresh huge-page tmpfs; nothing is left mounted on failure."""
+def _unpack(packed: Path, index: packed_payload.Index, dst: Path, tick: Callable[[int], None] | None) -> int:
+    fd_out = os.open(dst, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        return packed_payload.unpack_into(packed, index, fd_out, tick=tick)
+    finally:
+        os.close(fd_out)
+
+
+def copy_into_memory(files: list[Path], *, packed: dict[Path, packed_payload.Index] | None = None, tick: Callable[[int], None] | None = None) -> WeightsInMemory:
+    """Copy *files* (one directory's) into a fresh huge-page tmpfs, each from its packed copy
+    where *packed* names one; nothing is left mounted on failure."""
+    packed = packed or {}
     total = sum(f.stat().st_size for f in files)
     target, huge = _mount(total)
-    staged = WeightsInMemory(target, huge, total)
+    staged = WeightsInMemory(target, huge, total, read=0)
     try:
         for f in files:
-            _copy(f, target / f.name)
+            index = packed.get(f)
+            if index is not None:
+                _unpack(packed_payload.packed_path(f), index, target / f.name, tick)
+                staged.read += index.packed_bytes
+            else:
+                staged.read += _copy(f, target / f.name)
+                if tick:
+                    tick(f.stat().st_size)
     except BaseException:
         staged.release()
         raise
     return staged
+
+
+def packed_copies(cfg: CapsuleConfig, choice: WeightChoice) -> dict[Path, packed_payload.Index]:
+    """The payload's files that have a usable packed copy on this host, with its index."""
+    if cfg.weights.native is None or choice.native_dir is None:
+        return {}
+    out = {}
+    for f in cfg.weights.native.files:
+        path = choice.native_dir / f.name
+        index = packed_payload.usable(path, f.size, f.sha256)
+        if index is not None:
+            out[path] = index
+    return out
 
 
 def stage_for_restore(cfg: CapsuleConfig, choice: WeightChoice, rb: ReceiptBuilder, progress: Progress) -> WeightChoice:
@@ -111,12 +148,44 @@ def stage_for_restore(cfg: CapsuleConfig, choice: WeightChoice, rb: ReceiptBuild
     if not p.fits:
         rb.details["weights_memory"] = {"skipped": p.why_not()}
         return choice
+    packed = packed_copies(cfg, choice) if settings_mod.current().packed_payload else {}
     t = time.monotonic()
+    how = "from its packed copy " if packed else ""
     try:
-        with rb.phase("prepare.weights_memory"), progress.waiting("copying the native weight payload (%.1f GB) into memory" % (p.total / 1e9)):
-            staged = copy_into_memory(list(files))
-    except (OSError, ToolError) as err:  # only a faster path: hydration reads the payload where it is
+        with rb.phase("prepare.weights_memory"), progress.transfer("copying the native weight payload (%.1f GB) %sinto memory" % (p.total / 1e9, how), p.total) as tick:
+            staged = copy_into_memory(list(files), packed=packed, tick=tick)
+    except (OSError, ToolError, IntegrityError) as err:  # only a faster path: hydration reads the payload where it is
         rb.details["weights_memory"] = {"skipped": str(err)}
         return choice
-    rb.details["weights_memory"] = {"bytes": staged.bytes, "huge_pages": staged.huge_pages, "seconds": round(time.monotonic() - t, 4)}
+    rb.details["weights_memory"] = {
+        "bytes": staged.bytes, "read": staged.read, "packed": bool(packed), "huge_pages": staged.huge_pages, "seconds": round(time.monotonic() - t, 4),
+    }  # fmt: skip
     return dataclasses.replace(choice, in_memory=staged)
+
+
+class StagingJob:
+    """:func:`stage_for_restore` on a thread of its own: the payload is read while preparation
+    unpacks the capsule and reads the tree's files (the disk is shared, the waiting is not)."""
+
+    def __init__(self, cfg: CapsuleConfig, choice: WeightChoice, rb: ReceiptBuilder) -> None:
+        pool = ThreadPoolExecutor(1, thread_name_prefix="coldsnap-weights-memory")
+        self._future: Future[WeightChoice] = pool.submit(stage_for_restore, cfg, choice, rb, QUIET)
+        pool.shutdown(wait=False)
+
+    def result(self) -> WeightChoice:
+        return self._future.result()
+
+    def discard(self) -> None:
+        """Wait for the copy and let it go (a preparation given up, or its restore done)."""
+        try:
+            self._future.result().release_memory()
+        except BaseException:  # noqa: BLE001 - what failed was already reported by whoever waited for it
+            pass
+
+
+def start_staging(cfg: CapsuleConfig, choice: WeightChoice, rb: ReceiptBuilder, progress: Progress) -> StagingJob | None:
+    """Start copying the native payload *choice* reads into memory, alongside the rest of preparation."""
+    if choice.path != "native" or choice.native_dir is None:
+        return None
+    progress.step("copying the native weight payload into memory alongside")
+    return StagingJob(cfg, choice, rb)
