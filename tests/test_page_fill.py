@@ -12,12 +12,11 @@ import errno
 import json
 import os
 import shutil
-import signal
 from pathlib import Path
 
 import psutil
 import pytest
-from test_zero_pages import PAGES, digest, dump_pattern, pages_listed
+from test_zero_pages import PAGES, continues_as_dumped, digest, dump_pattern, pages_listed
 
 from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.drivers import criu_images as img
@@ -26,7 +25,7 @@ from sparkrun_coldsnap.drivers.cpu import CpuDriver
 from sparkrun_coldsnap.drivers.criu_tool import Criu
 from sparkrun_coldsnap.drivers.n610 import N610Driver
 from sparkrun_coldsnap.errors import RestoreError
-from sparkrun_coldsnap.host.process_tree import inner_pid, kill_tree, tree_pids
+from sparkrun_coldsnap.host.process_tree import inner_pid, kill_tree
 
 
 def restore(image, images: Path, tmp_path: Path, *, lazy: bool = False, details: dict | None = None) -> int:
@@ -173,11 +172,7 @@ def test_a_unit_dumped_stopped_at_a_cut_across_hosts_is_filled_and_left_stopped(
     peer = image.model_copy(update={"driver_data": {"peer_connections": True}})
     pid = restore(peer, images, tmp_path)
     try:
-        pids = tree_pids(pid)
-        assert len(pids) >= 2 and {psutil.Process(p).status() for p in pids} == {psutil.STATUS_STOPPED}
-        for p in pids:
-            os.kill(p, signal.SIGCONT)
-        assert digest(port) == before
+        continues_as_dumped(pid, port, before)
     finally:
         kill_tree(pid)
 

@@ -21,19 +21,16 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
-from registry_fixtures import free_port
-from test_zero_pages import PAGES, WORKLOAD, digest, dump_pattern
+from test_zero_pages import PAGES, continues_as_dumped, digest, dump_pattern
 
 from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.drivers import criu_tree, page_fill
 from sparkrun_coldsnap.drivers.cpu import CpuDriver
 from sparkrun_coldsnap.drivers.criu_tool import Criu
 from sparkrun_coldsnap.host import xstate_perm
-from sparkrun_coldsnap.host.process_tree import kill_tree, tree_pids
+from sparkrun_coldsnap.host.process_tree import kill_tree
 from sparkrun_coldsnap.host.xstate_perm import _ERESTART_RESTARTBLOCK, _NO_SYSCALL, _ORIG_RAX, _RAX, _RIP, _Regs
-from sparkrun_coldsnap.launch.local import start_unit
 
 TILES = 1 << 18  # XFEATURE_XTILEDATA
 needs_tiles = pytest.mark.skipif(not xstate_perm.tiles_supported(), reason="this host's CPU or kernel offers no AMX tile data (x86 with AMX and Linux 5.16 or later)")
@@ -351,32 +348,12 @@ def test_a_unit_dumped_stopped_at_a_cut_is_given_its_tiles_back_and_left_stopped
     """Units of a workload on several hosts are stopped for the cut and dumped so: they come
     back stopped (CRIU restores the stop), and stay so until the coordinator continues every
     one at once."""
-    port = free_port()
-    log = tmp_path / "workload.log"
-    unit = start_unit("%s %s --port %d --file %s --pages %d" % (sys.executable, WORKLOAD, port, tmp_path / "mapped.bin", PAGES), env={"PATH": "/usr/bin:/bin"}, log_path=log)
-    try:
-        deadline = time.monotonic() + 30
-        while "ready" not in log.read_text():
-            assert unit.alive() and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
-        before = digest(port)
-        for p in tree_pids(unit.root_pid):
-            os.kill(p, signal.SIGSTOP)
-        image = CpuDriver().checkpoint(unit.root_pid, tmp_path / "images", unit="solo", host="localhost", progress=lambda m: None)
-    except BaseException:
-        kill_tree(unit.root_pid)
-        raise
-    unit.reap()
+    images, image, port, before = dump_pattern(tmp_path, PAGES, stopped=True)
     peer = image.model_copy(update={"driver_data": {"peer_connections": True}})
     measured: dict = {}
-    pid, _ = criu_tree.restore(Criu.locate(), peer, tmp_path / "images", log_path=tmp_path / "restore.log", progress=lambda m: None, details=measured)
+    pid, _ = criu_tree.restore(Criu.locate(), peer, images, log_path=tmp_path / "restore.log", progress=lambda m: None, details=measured)
     try:
         given_back(measured)
-        pids = tree_pids(pid)
-        time.sleep(0.3)
-        assert len(pids) >= 2 and {psutil.Process(p).status() for p in pids} == {psutil.STATUS_STOPPED}
-        for p in pids:
-            os.kill(p, signal.SIGCONT)
-        assert digest(port) == before
+        continues_as_dumped(pid, port, before)
     finally:
         kill_tree(pid)

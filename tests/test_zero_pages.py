@@ -10,11 +10,14 @@ demand.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import requests
 from registry_fixtures import free_port
@@ -25,7 +28,7 @@ from sparkrun_coldsnap.drivers import criu_tree, image_contents, zero_pages
 from sparkrun_coldsnap.drivers.base import UnitImage
 from sparkrun_coldsnap.drivers.cpu import CpuDriver
 from sparkrun_coldsnap.drivers.criu_tool import Criu
-from sparkrun_coldsnap.host.process_tree import kill_tree
+from sparkrun_coldsnap.host.process_tree import kill_tree, tree_pids
 from sparkrun_coldsnap.launch.local import start_unit
 
 WORKLOAD = Path(__file__).parent / "workloads" / "memory_pattern.py"
@@ -49,9 +52,10 @@ def dumped(tmp_path):
     return dump_pattern(tmp_path, PAGES)
 
 
-def dump_pattern(tmp_path: Path, pages: int) -> tuple[Path, UnitImage, int, dict]:
+def dump_pattern(tmp_path: Path, pages: int, *, stopped: bool = False) -> tuple[Path, UnitImage, int, dict]:
     """The workload with an area of *pages* pages, dumped into ``tmp_path/images`` (it stops):
-    the images, what the dump recorded, its port, and the digests it answered just before."""
+    the images, what the dump recorded, its port, and the digests it answered just before.
+    *stopped*: every process stopped before the dump, as a unit at a cut across hosts is."""
     port = free_port()
     log = tmp_path / "workload.log"
     unit = start_unit("%s %s --port %d --file %s --pages %d" % (sys.executable, WORKLOAD, port, tmp_path / "mapped.bin", pages), env={"PATH": "/usr/bin:/bin"}, log_path=log)
@@ -61,12 +65,26 @@ def dump_pattern(tmp_path: Path, pages: int) -> tuple[Path, UnitImage, int, dict
             assert unit.alive() and time.monotonic() < deadline, log.read_text()
             time.sleep(0.05)
         before = digest(port)
+        if stopped:
+            for p in tree_pids(unit.root_pid):
+                os.kill(p, signal.SIGSTOP)
         image = CpuDriver().checkpoint(unit.root_pid, tmp_path / "images", unit="solo", host="localhost", progress=lambda m: None)
     except BaseException:
         kill_tree(unit.root_pid)
         raise
     unit.reap()
     return tmp_path / "images", image, port, before
+
+
+def continues_as_dumped(pid: int, port: int, before: dict) -> None:
+    """The tree restored at *pid* stays stopped, as it was dumped, until it is continued; then
+    it answers as it did before the dump."""
+    pids = tree_pids(pid)
+    time.sleep(0.3)
+    assert len(pids) >= 2 and {psutil.Process(p).status() for p in pids} == {psutil.STATUS_STOPPED}
+    for p in pids:
+        os.kill(p, signal.SIGCONT)
+    assert digest(port) == before
 
 
 def pages_listed(images: Path) -> dict[str, int]:

@@ -53,7 +53,7 @@ def _present_pages(pagemap: int, start: int, end: int) -> np.ndarray:
 
 
 def _runs(pages: np.ndarray) -> list[tuple[int, int]]:
-    """Sorted unique page numbers -> (first, count) runs."""
+    """Ascending page numbers -> (first, count) runs."""
     if pages.size == 0:
         return []
     breaks = np.flatnonzero(np.diff(pages) != 1) + 1
@@ -81,7 +81,7 @@ def join(ranges: list[tuple[int, int]], gap: int = JOIN_GAP, most: int = MOST_RA
 def resident_ranges(pids: Iterable[int]) -> dict[str, list[tuple[int, int]]]:
     """For each regular file *pids* map: the byte ranges (offset, length) whose pages any of
     them has mapped in, joined; a file mapped with none of its pages in memory has []."""
-    pages_of: dict[str, set[int]] = defaultdict(set)
+    ranges_of: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for pid in pids:
         mappings = _file_mappings(pid)
         if not mappings:
@@ -96,12 +96,8 @@ def resident_ranges(pids: Iterable[int]) -> dict[str, list[tuple[int, int]]]:
                     present = _present_pages(pagemap, start, end)
                 except OSError:
                     continue
-                first = offset // PAGE
-                pages_of[path].update((present + first).tolist())
+                ranges_of[path] += [(offset + first * PAGE, count * PAGE) for first, count in _runs(present)]
         finally:
             os.close(pagemap)
-    out = {}
-    for path, pages in pages_of.items():
-        runs = _runs(np.array(sorted(pages), dtype=np.int64))
-        out[path] = join([(first * PAGE, count * PAGE) for first, count in runs])
-    return out
+    # join() sorts and merges what several mappings and processes hold of one file
+    return {path: join(ranges) for path, ranges in ranges_of.items()}
