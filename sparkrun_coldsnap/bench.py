@@ -81,7 +81,7 @@ def phase_bytes(cap: Capsule, receipt) -> dict[str, int]:
         "prepare.stage": sum(d.size for d in layers),
         "restore": sum(int((d.annotations or {}).get(A_UNPACKED_SIZE, d.size)) for d in layers),
     }
-    for key in ("weights_memory", "weights_cache", "files_cache"):
+    for key in ("weights_memory", "weights_cache", "files_cache", "layers_cache"):
         detail = receipt.details.get(key) or {}
         read = detail.get("read", detail.get("bytes"))  # from the disk: a packed copy reads fewer than it writes
         if read:
@@ -92,7 +92,7 @@ def phase_bytes(cap: Capsule, receipt) -> dict[str, int]:
 
 
 #: the seconds a worker reports for the steps of its hydration from memory
-HYDRATE_STEPS = ("open_seconds", "register_seconds", "copy_seconds")
+HYDRATE_STEPS = ("open_seconds", "register_seconds", "copy_seconds", "fill_wait_seconds")
 
 
 def hydrate_steps(notes: Mapping) -> dict[str, float]:
@@ -108,21 +108,23 @@ def summary(values: list[float]) -> dict[str, float]:
 
 def run_paths(
     vanilla: RestoreRequest, restores: Mapping[str, tuple[RestoreRequest, CapsuleStore]], *, samples: int, progress: Progress,
-    drop_cache: bool = True, settings_for: Mapping[str, Settings] | None = None,
+    drop_cache: bool = True, settings_for: Mapping[str, Settings] | None = None, with_vanilla: bool = True,
 ) -> list[Sample]:  # fmt: skip
     """Alternate a vanilla start and every restore path, *samples* times; *settings_for* gives
-    a path settings of its own (the plugin's switches) while it restores."""
+    a path settings of its own (the plugin's switches) while it restores. Without
+    *with_vanilla*, the restores alone: a check that each path works, with no ratio."""
     log_dir = paths.run_dir() / "bench"
     log_dir.mkdir(parents=True, exist_ok=True)
     results: list[Sample] = []
     for i in range(samples):
-        if drop_cache:
-            drop_page_cache()
-        progress.step("sample %d/%d: vanilla start" % (i + 1, samples))
-        v = controller.start_vanilla(vanilla, log_path=log_dir / ("vanilla-%d.log" % i), progress=progress)
-        v.unit.stop()
-        results.append(Sample(VANILLA, i, v.ttft_seconds or 0.0, phases={p.name: p.seconds for p in v.receipt.phases}))
-        progress.note("vanilla: first token after %.2f s" % (v.ttft_seconds or 0))
+        if with_vanilla:
+            if drop_cache:
+                drop_page_cache()
+            progress.step("sample %d/%d: vanilla start" % (i + 1, samples))
+            v = controller.start_vanilla(vanilla, log_path=log_dir / ("vanilla-%d.log" % i), progress=progress)
+            v.unit.stop()
+            results.append(Sample(VANILLA, i, v.ttft_seconds or 0.0, phases={p.name: p.seconds for p in v.receipt.phases}))
+            progress.note("vanilla: first token after %.2f s" % (v.ttft_seconds or 0))
         for name, (req, store) in restores.items():
             time.sleep(1.0)  # let the stopped tree's memory go back first
             if drop_cache:
@@ -140,7 +142,7 @@ def run_paths(
                     name, i, r.ttft_seconds or 0.0, prepare_seconds=prepared.prepare_seconds, phases=phases,
                     validated=bool(r.receipt.validation and r.receipt.validation.passed), steps=clock.durations(restore_end),
                     bytes=phase_bytes(prepared.capsule, r.receipt), first_token_floor=prepared.capsule.config.validation.request_ttft_seconds,
-                    notes={k: r.receipt.details[k] for k in ("hydrate", "hydrate_release", "weights_memory", "weights_cache", "files_cache", "staged_images", "criu_restore_seconds", "page_fill") if k in r.receipt.details},
+                    notes={k: r.receipt.details[k] for k in ("hydrate", "hydrate_release", "weights_memory", "weights_cache", "files_cache", "layers_cache", "staged_images", "criu_restore_seconds", "page_fill") if k in r.receipt.details},
                 )
             )  # fmt: skip
             progress.note("restore (%s): first token after %.2f s (prepared in %.2f s before the clock)" % (name, r.ttft_seconds or 0, prepared.prepare_seconds))
@@ -172,6 +174,7 @@ def _medians(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
 #: was measured, else the page cache it copies from; a cold one reads the disk)
 BOUND_BY = {
     "prepare.stage": "disk_read", "prepare.weights_cache": "disk_read", "prepare.files_cache": "disk_read", "prepare.weights_memory": "disk_read",
+    "prepare.layers_cache": "disk_read",
     "restore": "memory_write", "hydrate": "host_to_device",
 }  # fmt: skip
 
@@ -200,13 +203,15 @@ def rates(path: Mapping, bandwidth: Mapping[str, float], first_token_floor: floa
     out["first_token_floor"] = first_token_floor
     out["floor_seconds"] = floor
     # a node with nothing prepared reads the capsule, the files the tree maps and the weights
-    # (as preparation read them: a packed copy is fewer bytes) from the disk first
+    # (as preparation read them: a packed copy is fewer bytes) from the disk; the restore can
+    # run once the first two are read, beside the weights' read, so the floor is the longer of
+    # the two ways
     disk = bandwidth.get("disk_read")
     if disk:
         weights = moved.get("prepare.weights_memory") or moved.get("prepare.weights_cache") or moved.get("hydrate", 0)
-        cold_bytes = moved.get("prepare.stage", 0) + moved.get("prepare.files_cache", 0) + weights
+        first = moved.get("prepare.layers_cache", moved.get("prepare.stage", 0)) + moved.get("prepare.files_cache", 0)
         memory = out["phases"].get("restore", {}).get("machine") or bandwidth.get("memory_write", float("inf"))
-        out["cold_floor_seconds"] = cold_bytes / disk + moved.get("restore", 0) / memory + (first_token_floor or 0.0)
+        out["cold_floor_seconds"] = max((first + weights) / disk, first / disk + moved.get("restore", 0) / memory) + (first_token_floor or 0.0)
     return out
 
 
@@ -310,7 +315,8 @@ def plot(doc: dict, path: Path) -> Path | None:
         return None
     names = [VANILLA, *doc["paths"]]
     medians = [doc["vanilla_ttft"]["median"]] + [p["ttft"]["median"] for p in doc["paths"].values()]
-    labels = ["vanilla start"] + [("%s" if doc.get("lifecycle") else "ColdSnap restore (%s)") % n for n in doc["paths"]]
+    # long path names wrapped, so the bars keep their width and the title stays over them
+    labels = ["vanilla start"] + [textwrap.fill(("%s" if doc.get("lifecycle") else "ColdSnap restore (%s)") % n, 36) for n in doc["paths"]]
     # a restore's preparation + restore (what a node with nothing prepared waits), drawn faint behind it
     totals = [None] + [(p.get("total") or {}).get("median") if not doc.get("lifecycle") else None for p in doc["paths"].values()]
     fig, ax = plt.subplots(figsize=(10, 1.8 + 0.8 * len(names)), dpi=120)
@@ -330,7 +336,7 @@ def plot(doc: dict, path: Path) -> Path | None:
     ax.set_xlabel("seconds to first non-empty streamed token (page cache dropped)")
     speedups = ", ".join("%s %.1fx" % (n, p["speedup_median"]) for n, p in doc["paths"].items())
     title = "%s: %s faster (medians of %d)" % (doc["recipe"], speedups, doc["vanilla_ttft"]["n"])
-    ax.set_title(textwrap.fill(title, 80), fontsize=10)
+    ax.set_title(textwrap.fill(title, 64), fontsize=10)
     ax.set_xlim(0, top * 1.45)
     ax.legend(loc="lower right", fontsize=8, frameon=False)
     fig.tight_layout()

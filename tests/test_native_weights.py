@@ -10,6 +10,8 @@ back really replaces the weights the engine serves with.
 from __future__ import annotations
 
 import shutil
+import threading
+import time
 
 import pytest
 from conftest import hf_home, require_engine
@@ -101,6 +103,29 @@ def test_export_seal_and_read_back_replace_the_served_weights(engine, use_settin
         assert mapped[0]["kept"] is False  # nothing registered on the CPU: nothing kept for later
         assert (reply(adapter, endpoint) == before) is same
     assert adapter._rpc(endpoint, "coldsnap_release_mapped")[0]["released_bytes"] == 0
+
+    # Followed while the copy into memory is still under way (a node with nothing prepared):
+    # the engine copies each tensor once the copy's marks say its bytes are in place.
+    adapter._rpc(endpoint, "coldsnap_load_native", str(damaged))
+    assert reply(adapter, endpoint) != before
+    hydration: dict = {}
+
+    def hydrate_behind(staged) -> None:
+        def run() -> None:
+            hydration["out"] = adapter._load_native(endpoint, str(d), False, str(staged.directory), lambda: True)
+
+        hydration["thread"] = threading.Thread(target=run)
+        hydration["thread"].start()
+        time.sleep(0.5)  # nothing is filled yet: the engine waits
+
+    staged = weights_memory.copy_into_memory(sorted(d.iterdir()), on_ready=hydrate_behind)
+    try:
+        hydration["thread"].join(120)
+    finally:
+        staged.release()
+    (followed,) = hydration["out"]
+    assert followed["followed"] is True and followed["fill_wait_seconds"] > 0.3 and followed["bytes"] == reports[0]["bytes"], followed
+    assert reply(adapter, endpoint) == before
 
     # The same bytes seal to the same address; a damaged payload is refused by digest.
     again, _ = native_payload.export(adapter, endpoint)

@@ -64,7 +64,7 @@ def test_a_copy_still_under_way_is_waited_for_once_and_let_go_with_its_choice(pa
     go = threading.Event()
     calls = []
 
-    def staged_later(cfg, choice, rb, progress):
+    def staged_later(cfg, choice, rb, progress, **_):
         go.wait(10)
         calls.append(choice)
         return WeightChoice("native", payload, in_memory=weights_memory.copy_into_memory(sorted(payload.iterdir())))

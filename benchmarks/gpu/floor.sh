@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The 8B restore toward the floor in two commands, after the carry (README steps 1-2):
 #   bash benchmarks/gpu/floor.sh setup     # install the plugin and vLLM, make the 8B model, capture it with n610
+#   PATHS=n610:native:cold bash benchmarks/gpu/floor.sh smoke   # each path restored once, no vanilla: does it work
 #   SAMPLES=3 PATHS=n610:native:nofill,n610:native bash benchmarks/gpu/floor.sh samples
 # Each step ends well inside the ten minutes one command may take on the GPU machine.
 set -euo pipefail
@@ -19,10 +20,14 @@ case "${1:-}" in
     step model Q model --shape 8b
     step capture Q capture --drivers n610
     ;;
+  smoke)
+    eval "$(bash benchmarks/gpu/device.sh env)"
+    step smoke Q smoke --paths "${PATHS:-n610:native:cold}"
+    ;;
   samples)
     eval "$(bash benchmarks/gpu/device.sh env)"
     step samples Q samples --paths "${PATHS:-n610:native:nofill,n610:native}" --samples "${SAMPLES:-3}"
     ;;
-  *) echo "usage: $0 setup|samples" >&2; exit 2 ;;
+  *) echo "usage: $0 setup|smoke|samples" >&2; exit 2 ;;
 esac
 cat "$STEPS"

@@ -238,6 +238,22 @@ def cmd_samples(args) -> None:
     print("results: %s %s" % (path, png or ""))
 
 
+def cmd_smoke(args) -> None:
+    """Each path restored once, no vanilla start and nothing kept: whether it works, and its
+    phases, before the samples spend minutes on vanilla starts."""
+    store = CapsuleStore(args.work / "store")
+    restores, _, environ = restores_for(args, store)
+    if not restores:
+        sys.exit("nothing to restore")
+    vanilla = next(iter(restores.values()))[0]
+    for s in bench.run_paths(vanilla, restores, samples=1, progress=Progress(), drop_cache=True, settings_for=environ, with_vanilla=False):
+        total = s.ttft_seconds + (s.prepare_seconds or 0.0)
+        print("smoke %s: first token %.2f s, preparation %.2f s, total %.2f s, validated %s" % (s.path, s.ttft_seconds, s.prepare_seconds or 0.0, total, s.validated), flush=True)
+        print("  phases: %s" % json.dumps({k: round(v, 3) for k, v in s.phases.items()}), flush=True)
+        print("  steps: %s" % json.dumps({k: round(v, 3) for k, v in s.steps.items()}), flush=True)
+        print("  notes: %s" % json.dumps(s.notes)[:1500], flush=True)
+
+
 def machine_bandwidth(args) -> dict[str, float]:
     """Disk, page cache and fresh memory from the plugin's side (on the native payload, the
     largest file a restore reads), host to device in the engine's interpreter."""
@@ -302,7 +318,7 @@ def cmd_ranks(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("step", choices=("model", "capture", "samples", "other-gpu", "bandwidth", "ranks"))
+    ap.add_argument("step", choices=("model", "capture", "samples", "smoke", "other-gpu", "bandwidth", "ranks"))
     ap.add_argument("--work", type=Path, required=True, help="work directory (model, store)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     ap.add_argument("--shape", default="1.5b")
@@ -320,7 +336,7 @@ def main() -> None:
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    steps = {"model": cmd_model, "capture": cmd_capture, "samples": cmd_samples, "other-gpu": cmd_other_gpu, "bandwidth": cmd_bandwidth, "ranks": cmd_ranks}
+    steps = {"model": cmd_model, "capture": cmd_capture, "samples": cmd_samples, "smoke": cmd_smoke, "other-gpu": cmd_other_gpu, "bandwidth": cmd_bandwidth, "ranks": cmd_ranks}
     steps[args.step](args)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,10 +118,21 @@ def prepare_restore(
     with settings_mod.using(settings), Attempt(rb) as attempt:
         cap, r, choice, held = open_and_admit(req, store, settings, rb, replacing=replacing)
         background = settings.cache_in_background
-        # The payload is copied into memory on a thread of its own while the capsule is
-        # unpacked and the tree's files are read: on a node with nothing prepared all three
-        # wait on the disk, and one after the other they added up.
-        job = weights_memory.start_staging(cap.config, choice, rb, progress) if choice is not None and settings.weights_memory and r.adapter.maps_native else None
+        stages_payload = choice is not None and choice.path == "native" and choice.native_dir is not None and settings.weights_memory and r.adapter.maps_native
+        files_read: Future[None] | None = None
+        if stages_payload:
+            # What the restore itself reads goes first, at the disk's full rate: the capsule's
+            # layers, then the tree's files (about 1 GB for an 8B vLLM) while the layers are
+            # unpacked (the one waits on the disk, the other on the CPUs). Queued behind the
+            # much larger payload, each of their reads waited for many of its pieces (on a node
+            # with nothing prepared the unpacking took 19.5 s instead of 1.6 s).
+            if staged_at is None:
+                page_cache.cache_capsule_layers([store.blob_path(d.digest) for d in cap.layers], rb, progress)
+            progress.step("reading the files the workload maps alongside")
+            files_read = weights_memory.in_background(page_cache.cache_tree_files, cap.config.units, rb, QUIET, enabled=settings.files_cache)
+        # The payload is copied into memory on a thread of its own, once the files are read,
+        # while the capsule is unpacked and the restore runs.
+        job = weights_memory.start_staging(cap.config, choice, rb, progress, after=files_read) if stages_payload and choice is not None else None
         if job is not None:
             attempt.on_failure(job.discard)
         if staged_at is None:
@@ -135,10 +147,13 @@ def prepare_restore(
             staged = r.launcher.stage(r.driver, image, staging / "units" / image.name, staging=staging, request=req)
         attempt.on_failure(staged.discard)
         rb.details.update(staged.details)
-        page_cache.cache_tree_files(cap.config.units, rb, progress, enabled=settings.files_cache, background=background)
+        if files_read is not None:
+            files_read.result()
+        else:
+            page_cache.cache_tree_files(cap.config.units, rb, progress, enabled=settings.files_cache, background=background)
         if job is not None and background:
             # A node with nothing prepared: the restore goes ahead while the copy goes on;
-            # hydration waits for it (phase hydrate.wait).
+            # hydration follows it (fill marks), or waits for it (phase hydrate.wait).
             choice = dataclasses.replace(choice, pending=job) if choice is not None else None
         elif job is not None:
             choice = job.result()
@@ -177,14 +192,17 @@ def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Pro
             h = None
             if prepared.weights is not None:
                 choice = prepared.weights
-                if choice.pending is not None:  # the payload still on its way into memory
+                filling = choice.pending.early() if choice.pending is not None else None
+                if choice.pending is not None and filling is None:  # ended before its files existed
                     with rb.phase("hydrate.wait"):
                         choice = choice.settled()
+                memory = filling or choice.in_memory
                 with rb.phase("hydrate"), progress.waiting("hydrating weights (%s)" % choice.path):
                     h = r.adapter.hydrate(
                         endpoint, path=choice.path, model_dir=w.model.path or "", native_dir=str(choice.native_dir) if choice.native_dir else None, cached=choice.cached,
-                        memory_dir=str(choice.in_memory.directory) if choice.in_memory is not None else None,
+                        memory_dir=str(memory.directory) if memory is not None else None, filling=choice.copied_whole if filling is not None else None,
                     )  # fmt: skip
+                choice = choice.settled()
                 source = weight_paths.source_files(cap.config, choice.path)
                 rb.weights = Weights(path=h.path, seconds=round(h.seconds, 4), files=len(source), bytes=sum(f.size for f in source), note=choice.note)
                 if h.details:

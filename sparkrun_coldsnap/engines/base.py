@@ -118,10 +118,13 @@ class EngineAdapter(ABC):
     @abstractmethod
     def hydrate(
         self, endpoint: Endpoint, *, path: str, model_dir: str, native_dir: str | None = None, cached: bool = False, memory_dir: str | None = None,
+        filling: Callable[[], bool] | None = None,
     ) -> HydrationResult:  # fmt: skip
         """Bring weights back after restore by *path*: recovery (from *model_dir*) or native (from *native_dir*);
         *cached*: preparation read the files into the page cache (so direct I/O would go around it);
-        *memory_dir*: preparation copied the native payload there, into memory (``maps_native`` adapters)."""
+        *memory_dir*: preparation copied the native payload there, into memory (``maps_native`` adapters);
+        *filling*: that copy is still under way (its files filled as their marks say,
+        weights/fill_marks.py); calling it waits for the copy to end and says whether it is whole."""
 
     def finish_hydration(self, endpoint: Endpoint, result: HydrationResult) -> tuple[dict[str, Any], ...]:
         """Once the restored engine has answered: let go of what *result*'s hydration kept for

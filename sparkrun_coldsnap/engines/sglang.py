@@ -17,7 +17,7 @@ answer 200 ``null`` and track released tags (resuming one not released is fatal)
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from sparkrun_coldsnap.engines.base import Endpoint, EngineAdapter, HydrationResult, has_flag, post
 from sparkrun_coldsnap.errors import EngineError
@@ -58,6 +58,7 @@ class SglangAdapter(EngineAdapter):
 
     def hydrate(
         self, endpoint: Endpoint, *, path: str, model_dir: str, native_dir: str | None = None, cached: bool = False, memory_dir: str | None = None,
+        filling: Callable[[], bool] | None = None,
     ) -> HydrationResult:  # fmt: skip
         if path != "recovery":
             raise EngineError("weight path %r is not built for SGLang: use weights: recovery (or auto)" % path)

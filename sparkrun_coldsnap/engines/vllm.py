@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from sparkrun_coldsnap.documents import settings
@@ -92,20 +92,29 @@ class VllmAdapter(EngineAdapter):
             raise EngineError("vLLM %s answered %r, not a list of worker results" % (method, r.text[:200])) from err
         return tuple(x if isinstance(x, dict) else {"result": x} for x in results)
 
-    def _load_native(self, endpoint: Endpoint, native_dir: str, cached: bool, memory_dir: str | None) -> tuple[dict[str, Any], ...]:
+    def _load_native(self, endpoint: Endpoint, native_dir: str, cached: bool, memory_dir: str | None, filling: Callable[[], bool] | None = None) -> tuple[dict[str, Any], ...]:
         """From the copy in memory when there is one; else (or when the engine cannot map it: a
-        capsule whose engine predates that reader) from the payload on disk."""
+        capsule whose engine predates that reader, a copy given up) from the payload on disk."""
         if memory_dir:
             try:
-                return self._load_mapped(endpoint, memory_dir)
+                return self._load_mapped(endpoint, memory_dir, filling)
             except EngineError as err:
                 fallback = self._rpc(endpoint, "coldsnap_load_native", native_dir, cached)
                 return ({"mapped_failed": str(err)[:300]}, *fallback)
         return self._rpc(endpoint, "coldsnap_load_native", native_dir, cached)
 
-    def _load_mapped(self, endpoint: Endpoint, memory_dir: str) -> tuple[dict[str, Any], ...]:
+    def _load_mapped(self, endpoint: Endpoint, memory_dir: str, filling: Callable[[], bool] | None = None) -> tuple[dict[str, Any], ...]:
         current = settings.current()
         piece = current.register_piece_mib << 20  # 0: the whole payload in one piece
+        if filling is not None:
+            try:
+                return self._rpc(endpoint, "coldsnap_load_native_mapped", memory_dir, piece, current.register_threads, True, True)
+            except EngineError as err:
+                if "positional argument" not in str(err):
+                    raise
+            # A reader that cannot follow a copy under way reads it once it is whole.
+            if not filling():
+                raise EngineError("the copy of the native payload into memory did not finish")
         # The reader is the one in the restored engine's memory, as old as its capsule: a reader
         # that cannot keep the mapping until after validation, or that predates the registration
         # in pieces, takes fewer arguments.
@@ -129,6 +138,7 @@ class VllmAdapter(EngineAdapter):
 
     def hydrate(
         self, endpoint: Endpoint, *, path: str, model_dir: str, native_dir: str | None = None, cached: bool = False, memory_dir: str | None = None,
+        filling: Callable[[], bool] | None = None,
     ) -> HydrationResult:  # fmt: skip
         if path not in self.gpu_weight_paths:
             raise EngineError("weight path %r is not one of vLLM's (%s)" % (path, ", ".join(self.gpu_weight_paths)))
@@ -137,7 +147,7 @@ class VllmAdapter(EngineAdapter):
         t = time.monotonic()
         post(endpoint.base_url + "/wake_up?tags=weights", what="vLLM wake_up(weights)")
         if path == "native":
-            details = self._load_native(endpoint, str(native_dir), cached, memory_dir)
+            details = self._load_native(endpoint, str(native_dir), cached, memory_dir, filling)
         else:
             post(endpoint.base_url + "/collective_rpc", json_body={"method": "reload_weights"}, timeout=1800, what="vLLM reload_weights")
             details = ()

@@ -50,12 +50,21 @@ SMALLEST = 64 << 20
 #: the element size the shuffle splits by: bf16 and fp16, what serving engines hold
 TYPESIZE = 2
 DIRNAME = ".packed"
-#: threads reading pieces ahead of the decompression
-READERS = 8
+#: threads reading pieces ahead of the decompression: the virtio disks measured read 1.31 GB/s
+#: with 8 direct readers in flight and 1.43 GB/s with 32
+READERS = 16
 
 
 def default_threads() -> int:
     return max(1, min(16, os.cpu_count() or 1))
+
+
+def restore_threads() -> int:
+    """Decompression threads while a restore runs beside it: half the host's CPUs, which
+    still decompress several times faster than the disk reads; with all of them, CRIU and
+    the capsule's unpacking waited for cores (on an H100 host `criu restore` took 3.4 s
+    instead of 0.9 s, the unpacking 5.9 s instead of 1.6 s)."""
+    return max(2, (os.cpu_count() or 2) // 2)
 
 
 @dataclass(frozen=True)

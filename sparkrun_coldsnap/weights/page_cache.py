@@ -164,6 +164,14 @@ def cache_for_restore(
     return dataclasses.replace(choice, cached=True)
 
 
+def cache_capsule_layers(blobs: Sequence[Path], rb: ReceiptBuilder, progress: Progress) -> None:
+    """Read the capsule's layer blobs into the page cache at once, by several threads (the
+    unpacking then reads them from memory); receipt key ``layers_cache``."""
+    files = [b for b in blobs if b.is_file()]
+    if files:
+        _read_into_cache(files, "capsule layer(s)", "layers_cache", rb, progress)
+
+
 def cache_tree_files(units: Iterable[UnitImage], rb: ReceiptBuilder, progress: Progress, *, enabled: bool = True, background: bool = False) -> None:
     """Read the files the captured tree mapped or held open (the engine's libraries and code)
     into the page cache. A restored process maps them again as they were and its first request

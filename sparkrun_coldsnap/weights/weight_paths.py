@@ -46,6 +46,10 @@ class WeightChoice:
         if self.in_memory is not None:
             self.in_memory.release()
 
+    def copied_whole(self) -> bool:
+        """Wait for a copy into memory still under way; whether it ended whole."""
+        return self.settled().in_memory is not None
+
     def settled(self) -> WeightChoice:
         """This choice once a copy into memory still under way has ended (in memory, or not)."""
         return self.pending.result() if self.pending is not None else self

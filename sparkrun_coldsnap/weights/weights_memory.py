@@ -12,6 +12,11 @@ given up. The source is read with direct I/O where the file system allows it, so
 cache does not hold a second copy; where the payload has a packed copy
 (:mod:`sparkrun_coldsnap.weights.packed_payload`), that is read instead and decompressed into
 place by several threads: about two thirds of the bytes from the disk.
+
+On a node with nothing prepared the restore goes ahead while the copy is under way
+(``COLDSNAP_CACHE_IN_BACKGROUND=1``): every file is created at its full size first, and a
+mark per file (:mod:`sparkrun_coldsnap.weights.fill_marks`) says how far it is filled, so the
+engine hydrates behind the copy instead of after it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import dataclasses
 import os
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +39,7 @@ from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.host.chunked_read import read_chunks
 from sparkrun_coldsnap.progress import QUIET
 from sparkrun_coldsnap.weights import packed_payload, page_cache, weight_paths
+from sparkrun_coldsnap.weights.fill_marks import FillMark
 
 if TYPE_CHECKING:
     from sparkrun_coldsnap.capsule.config import CapsuleConfig
@@ -79,14 +86,15 @@ def _mount(size: int) -> tuple[Path, bool]:
     raise ToolError("cannot mount a tmpfs for the weights at %s: %s" % (target, "; ".join(errors)))
 
 
-def _copy(src: Path, dst: Path) -> int:
-    """Copy *src* to *dst* in chunks by several threads; direct reads where allowed."""
-    fd_out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def _copy(src: Path, dst: Path, mark: FillMark) -> int:
+    """Copy *src* to *dst* (created at its size) in chunks by several threads; direct reads where allowed."""
+    fd_out = os.open(dst, os.O_WRONLY, 0o600)
 
     def write(offset: int, view: memoryview) -> None:
         written = 0
         while written < len(view):
             written += os.pwrite(fd_out, view[written:], offset + written)
+        mark.done(offset, len(view))
 
     try:
         return read_chunks(src, write, threads=READERS)[0]
@@ -94,32 +102,52 @@ def _copy(src: Path, dst: Path) -> int:
         os.close(fd_out)
 
 
-def _unpack(packed: Path, index: packed_payload.Index, dst: Path, tick: Callable[[int], None] | None) -> int:
-    fd_out = os.open(dst, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+def _unpack(packed: Path, index: packed_payload.Index, dst: Path, mark: FillMark, tick: Callable[[int], None] | None) -> int:
+    fd_out = os.open(dst, os.O_RDWR, 0o600)
+
+    def placed(n: int) -> None:  # pieces are decompressed in order
+        mark.done(mark.filled, n)
+        if tick:
+            tick(n)
+
     try:
-        return packed_payload.unpack_into(packed, index, fd_out, tick=tick)
+        return packed_payload.unpack_into(packed, index, fd_out, threads=packed_payload.restore_threads(), tick=placed)
     finally:
         os.close(fd_out)
 
 
-def copy_into_memory(files: list[Path], *, packed: dict[Path, packed_payload.Index] | None = None, tick: Callable[[int], None] | None = None) -> WeightsInMemory:
+def copy_into_memory(
+    files: list[Path], *, packed: dict[Path, packed_payload.Index] | None = None, tick: Callable[[int], None] | None = None,
+    on_ready: Callable[[WeightsInMemory], None] | None = None,
+) -> WeightsInMemory:  # fmt: skip
     """Copy *files* (one directory's) into a fresh huge-page tmpfs, each from its packed copy
-    where *packed* names one; nothing is left mounted on failure."""
+    where *packed* names one; nothing is left mounted on failure. *on_ready* is handed the copy
+    as soon as every file exists at its full size, before any is filled: a reader may follow
+    the copy by its marks (the small files, an engine's index, are filled first)."""
     packed = packed or {}
-    total = sum(f.stat().st_size for f in files)
-    target, huge = _mount(total)
-    staged = WeightsInMemory(target, huge, total, read=0)
+    sizes = {f: f.stat().st_size for f in files}
+    target, huge = _mount(sum(sizes.values()))
+    staged = WeightsInMemory(target, huge, sum(sizes.values()), read=0)
+    marks: dict[Path, FillMark] = {}
     try:
-        for f in files:
+        for f, size in sizes.items():
+            with open(target / f.name, "xb") as out:
+                out.truncate(size)
+            marks[f] = FillMark(target, f.name)
+        if on_ready is not None:
+            on_ready(staged)
+        for f in sorted(files, key=sizes.__getitem__):
             index = packed.get(f)
             if index is not None:
-                _unpack(packed_payload.packed_path(f), index, target / f.name, tick)
+                _unpack(packed_payload.packed_path(f), index, target / f.name, marks[f], tick)
                 staged.read += index.packed_bytes
             else:
-                staged.read += _copy(f, target / f.name)
+                staged.read += _copy(f, target / f.name, marks[f])
                 if tick:
-                    tick(f.stat().st_size)
+                    tick(sizes[f])
     except BaseException:
+        for mark in marks.values():
+            mark.give_up()
         staged.release()
         raise
     return staged
@@ -138,9 +166,14 @@ def packed_copies(cfg: CapsuleConfig, choice: WeightChoice) -> dict[Path, packed
     return out
 
 
-def stage_for_restore(cfg: CapsuleConfig, choice: WeightChoice, rb: ReceiptBuilder, progress: Progress) -> WeightChoice:
+def stage_for_restore(
+    cfg: CapsuleConfig, choice: WeightChoice, rb: ReceiptBuilder, progress: Progress, *, on_ready: Callable[[WeightsInMemory], None] | None = None,
+    from_packed: bool | None = None,
+) -> WeightChoice:  # fmt: skip
     """Copy the native payload *choice* reads into memory; the choice comes back with
-    ``in_memory`` set, or as it was with the reason in ``details.weights_memory``."""
+    ``in_memory`` set, or as it was with the reason in ``details.weights_memory``.
+    *on_ready*: as :func:`copy_into_memory`'s; *from_packed*: read packed copies where there
+    are (default: ``COLDSNAP_PACKED_PAYLOAD``)."""
     if choice.path != "native" or choice.native_dir is None:
         return choice
     files = weight_paths.files_to_read(cfg, choice, None)
@@ -148,12 +181,12 @@ def stage_for_restore(cfg: CapsuleConfig, choice: WeightChoice, rb: ReceiptBuild
     if not p.fits:
         rb.details["weights_memory"] = {"skipped": p.why_not()}
         return choice
-    packed = packed_copies(cfg, choice) if settings_mod.current().packed_payload else {}
+    packed = packed_copies(cfg, choice) if (settings_mod.current().packed_payload if from_packed is None else from_packed) else {}
     t = time.monotonic()
     how = "from its packed copy " if packed else ""
     try:
         with rb.phase("prepare.weights_memory"), progress.transfer("copying the native weight payload (%.1f GB) %sinto memory" % (p.total / 1e9, how), p.total) as tick:
-            staged = copy_into_memory(list(files), packed=packed, tick=tick)
+            staged = copy_into_memory(list(files), packed=packed, tick=tick, on_ready=on_ready)
     except (OSError, ToolError, IntegrityError) as err:  # only a faster path: hydration reads the payload where it is
         rb.details["weights_memory"] = {"skipped": str(err)}
         return choice
@@ -165,12 +198,30 @@ def stage_for_restore(cfg: CapsuleConfig, choice: WeightChoice, rb: ReceiptBuild
 
 class StagingJob:
     """:func:`stage_for_restore` on a thread of its own: the payload is read while preparation
-    unpacks the capsule and reads the tree's files (the disk is shared, the waiting is not)."""
+    unpacks the capsule and the restore runs (the disk is shared, the waiting is not)."""
 
-    def __init__(self, cfg: CapsuleConfig, choice: WeightChoice, rb: ReceiptBuilder) -> None:
-        pool = ThreadPoolExecutor(1, thread_name_prefix="coldsnap-weights-memory")
-        self._future: Future[WeightChoice] = pool.submit(stage_for_restore, cfg, choice, rb, QUIET)
-        pool.shutdown(wait=False)
+    def __init__(self, cfg: CapsuleConfig, choice: WeightChoice, rb: ReceiptBuilder, *, after: Future[None] | None = None) -> None:
+        self._created = threading.Event()
+        self._early: WeightsInMemory | None = None
+        from_packed = settings_mod.current().packed_payload  # the settings of the restore that starts it, whenever it runs
+
+        def stage() -> WeightChoice:
+            if after is not None:
+                after.exception()  # what it raised is its own caller's to report
+            return stage_for_restore(cfg, choice, rb, QUIET, on_ready=self._ready, from_packed=from_packed)
+
+        self._future: Future[WeightChoice] = in_background(stage)
+        self._future.add_done_callback(lambda _: self._created.set())
+
+    def _ready(self, staged: WeightsInMemory) -> None:
+        self._early = staged
+        self._created.set()
+
+    def early(self) -> WeightsInMemory | None:
+        """The copy as soon as its files exist, still being filled (a reader follows it by its
+        marks); None when the copy ended before that (skipped, or failed)."""
+        self._created.wait()
+        return self._early
 
     def result(self) -> WeightChoice:
         return self._future.result()
@@ -183,9 +234,19 @@ class StagingJob:
             pass
 
 
-def start_staging(cfg: CapsuleConfig, choice: WeightChoice, rb: ReceiptBuilder, progress: Progress) -> StagingJob | None:
-    """Start copying the native payload *choice* reads into memory, alongside the rest of preparation."""
+def start_staging(cfg: CapsuleConfig, choice: WeightChoice, rb: ReceiptBuilder, progress: Progress, *, after: Future[None] | None = None) -> StagingJob | None:
+    """Start copying the native payload *choice* reads into memory, alongside the rest of
+    preparation; once *after* is done, where given (what must reach the disk first)."""
     if choice.path != "native" or choice.native_dir is None:
         return None
     progress.step("copying the native weight payload into memory alongside")
-    return StagingJob(cfg, choice, rb)
+    return StagingJob(cfg, choice, rb, after=after)
+
+
+def in_background[T](fn: Callable[..., T], *args: object, **kwargs: object) -> Future[T]:
+    """*fn* run once on a thread of its own; its future."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="coldsnap-preparation")
+    try:
+        return pool.submit(fn, *args, **kwargs)
+    finally:
+        pool.shutdown(wait=False)

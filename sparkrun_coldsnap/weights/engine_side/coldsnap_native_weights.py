@@ -35,6 +35,13 @@ HUGE_PAGE = 2 << 20
 # (the plugin passes its settings; these are for a caller that passes none).
 REGISTER_PIECE = 1 << 30
 REGISTER_THREADS = 4
+# A copy into memory still under way (a node with nothing prepared): beside each file being
+# filled, FILLING/<name> holds as many bytes as the file has in place from its start, and is
+# gone when the copy was given up. The plugin writes it (weights/fill_marks.py).
+FILLING = ".filling"
+# No progress for this long and the copy is taken as given up.
+FILL_STALL = 120.0
+FILL_POLL = 0.002
 
 
 def payload_names(rank: int) -> tuple[str, str]:
@@ -70,6 +77,41 @@ def copies_for(chunk_off: int, chunk_len: int, tensors: list[dict[str, Any]], of
     return out
 
 
+class FillWaiter:
+    """``wait(upto)`` returns once the first *upto* bytes of DIRECTORY/name are in place, as
+    its mark in FILLING says; RuntimeError when the copy was given up (the mark is gone) or
+    stalls for *stall* seconds. ``waited``: the seconds spent waiting so far."""
+
+    def __init__(self, directory: str, name: str, *, stall: float = FILL_STALL, poll: float = FILL_POLL) -> None:
+        self.name = name
+        self.mark = os.path.join(directory, FILLING, name)
+        self.stall, self.poll = stall, poll
+        self.filled = 0
+        self.waited = 0.0
+
+    def __call__(self, upto: int) -> None:
+        if upto <= self.filled:
+            return
+        t0 = time.monotonic()
+        last, since = -1, t0
+        try:
+            while True:
+                try:
+                    n = os.stat(self.mark).st_size
+                except FileNotFoundError:
+                    raise RuntimeError("the copy of %s into memory was given up at byte %d" % (self.name, self.filled)) from None
+                if n >= upto:
+                    self.filled = n
+                    return
+                if n != last:
+                    last, since = n, time.monotonic()
+                elif time.monotonic() - since > self.stall:
+                    raise RuntimeError("the copy of %s into memory stalled at byte %d for %.0f s" % (self.name, n, self.stall))
+                time.sleep(self.poll)
+        finally:
+            self.waited += time.monotonic() - t0
+
+
 def register_pieces(total: int, piece: int) -> list[tuple[int, int]]:
     """The mapping cut into pieces of *piece* bytes (a multiple of 2 MiB: whole huge pages,
     so no page is registered twice), the last one shorter."""
@@ -98,7 +140,7 @@ def segments_by_piece(tensors: list[dict[str, Any]], pieces: list[tuple[int, int
 
 def copy_while_registering(
     tensors: list[dict[str, Any]], total: int, *, register, unregister, copy, finish, piece: int, threads: int,
-    kept: list[tuple[int, int]] | None = None,
+    kept: list[tuple[int, int]] | None = None, ready=None,
 ) -> dict[str, Any]:  # fmt: skip
     """Register the mapping with CUDA piece by piece on *threads* threads while the copies of
     the pieces already registered run: pinning 14 GB takes about as long as the GPU takes to
@@ -108,7 +150,9 @@ def copy_while_registering(
     was registered is unregistered, also when a registration or a copy fails. Given a list as
     *kept*, a run that succeeds leaves its pieces registered and puts them there instead:
     unregistering 14 GB takes a good part of a second, which the caller can spend later, once
-    the restored engine has answered."""
+    the restored engine has answered. *ready(end)*, when given, returns once the payload's
+    bytes up to *end* are in the mapping (a copy into memory still under way): each copy is
+    queued only then, while the registration goes on meanwhile."""
     pieces = register_pieces(total, piece)
     groups = segments_by_piece(tensors, pieces)
     registered: list[tuple[int, int]] = []
@@ -130,6 +174,8 @@ def copy_while_registering(
             fut.result()
             waited += time.monotonic() - t_wait
             for i, a, b in groups[k]:
+                if ready is not None:
+                    ready(b)
                 copy(i, a, b)
         t_registered = time.monotonic()
         finish()
@@ -240,7 +286,9 @@ class NativeWeights:
             raise RuntimeError("native payload does not fit this model (payload %r, model %r): capture again" % diff)
         return index, [t for _, t in held]
 
-    def coldsnap_load_native_mapped(self, directory: str, piece: int = REGISTER_PIECE, threads: int = REGISTER_THREADS, keep: bool = False) -> dict[str, Any]:
+    def coldsnap_load_native_mapped(
+        self, directory: str, piece: int = REGISTER_PIECE, threads: int = REGISTER_THREADS, keep: bool = False, follow: bool = False,
+    ) -> dict[str, Any]:  # fmt: skip
         """Fill the tensors from DIRECTORY/rank-N.bin held in memory (preparation copied it to a
         memory file system with huge pages): the file is mapped, the mapping registered with CUDA
         (page-locked in place, no copy through bounce buffers), and every tensor copied straight
@@ -249,7 +297,10 @@ class NativeWeights:
         *piece* bytes (0: one piece), *threads* at a time, each piece's copies queued as soon as
         it is registered. *keep*: the mapping stays mapped and registered until
         ``coldsnap_release_mapped`` (the restore calls it once the engine has answered), so
-        letting go of it is not on the way to the first token."""
+        letting go of it is not on the way to the first token. *follow*: the copy into memory
+        is still under way (a node with nothing prepared); each tensor is copied once its bytes
+        are in place (FILLING), so hydration ends moments after the last byte arrives instead of
+        starting then."""
         import mmap
 
         import torch
@@ -257,7 +308,12 @@ class NativeWeights:
         t0 = time.monotonic()
         self.coldsnap_release_mapped()  # a mapping an earlier hydration kept
         rank = self._coldsnap_rank()
-        bin_name, _ = payload_names(rank)
+        bin_name, index_name = payload_names(rank)
+        ready = index_ready = None
+        if follow:
+            index_ready = FillWaiter(directory, index_name)
+            index_ready(os.stat(os.path.join(directory, index_name)).st_size)
+            ready = FillWaiter(directory, bin_name)
         index, dests = self._coldsnap_index_and_tensors(directory)
         total = int(index["bytes"])
         on_gpu = any(t.is_cuda for t in dests)
@@ -296,13 +352,15 @@ class NativeWeights:
 
                 report = copy_while_registering(
                     table, total, register=register, unregister=unregister, copy=copy,
-                    finish=torch.cuda.current_stream().synchronize, piece=piece or total, threads=threads, kept=kept if keep else None,
+                    finish=torch.cuda.current_stream().synchronize, piece=piece or total, threads=threads, kept=kept if keep else None, ready=ready,
                 )  # fmt: skip
                 if kept:
                     self._coldsnap_kept = (mapped, host, kept, unregister)
             else:
                 t_copy = time.monotonic()
                 for e, t in zip(table, dests):
+                    if ready is not None:
+                        ready(e["offset"] + e["nbytes"])
                     t.copy_(host[e["offset"] : e["offset"] + e["nbytes"]])
                 report = {"register_seconds": 0.0, "copy_seconds": round(time.monotonic() - t_copy, 4), "pieces": 0}
         finally:
@@ -312,7 +370,7 @@ class NativeWeights:
         t_end = time.monotonic()
         return {
             "rank": rank, "bytes": total, "tensors": len(dests), "seconds": round(t_end - t0, 4), "mapped": True,
-            "open_seconds": round(t_open - t0, 4), "kept": bool(kept), **report,
+            "open_seconds": round(t_open - t0, 4), "kept": bool(kept), "followed": follow, "fill_wait_seconds": round(ready.waited + index_ready.waited, 4) if ready and index_ready else 0.0, **report,
         }  # fmt: skip
 
     def coldsnap_release_mapped(self) -> dict[str, Any]:
