@@ -24,6 +24,7 @@ from sparkrun_coldsnap.engines.base import Endpoint, HydrationResult
 from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, RestoreError, ValidationError
 from sparkrun_coldsnap.host import engine_temp, paths
 from sparkrun_coldsnap.host.atomic import owned_prefix
+from sparkrun_coldsnap.host.background import in_background
 from sparkrun_coldsnap.host.ports import port_holder_settled
 from sparkrun_coldsnap.launch.base import StagedUnit
 from sparkrun_coldsnap.progress import QUIET, Progress
@@ -129,7 +130,7 @@ def prepare_restore(
             if staged_at is None:
                 page_cache.cache_capsule_layers([store.blob_path(d.digest) for d in cap.layers], rb, progress)
             progress.step("reading the files the workload maps alongside")
-            files_read = weights_memory.in_background(page_cache.cache_tree_files, cap.config.units, rb, QUIET, enabled=settings.files_cache)
+            files_read = in_background(page_cache.cache_tree_files, cap.config.units, rb, QUIET, enabled=settings.files_cache)
         # The payload is copied into memory on a thread of its own, once the files are read,
         # while the capsule is unpacked and the restore runs.
         job = weights_memory.start_staging(cap.config, choice, rb, progress, after=files_read) if stages_payload and choice is not None else None

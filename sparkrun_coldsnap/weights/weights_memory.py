@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.errors import IntegrityError, ToolError
 from sparkrun_coldsnap.host import paths
+from sparkrun_coldsnap.host.background import in_background
 from sparkrun_coldsnap.host.chunked_read import read_chunks
 from sparkrun_coldsnap.progress import QUIET
 from sparkrun_coldsnap.weights import packed_payload, page_cache, weight_paths
@@ -126,8 +127,9 @@ def copy_into_memory(
     the copy by its marks (the small files, an engine's index, are filled first)."""
     packed = packed or {}
     sizes = {f: f.stat().st_size for f in files}
-    target, huge = _mount(sum(sizes.values()))
-    staged = WeightsInMemory(target, huge, sum(sizes.values()), read=0)
+    total = sum(sizes.values())
+    target, huge = _mount(total)
+    staged = WeightsInMemory(target, huge, total, read=0)
     marks: dict[Path, FillMark] = {}
     try:
         for f, size in sizes.items():
@@ -242,11 +244,3 @@ def start_staging(cfg: CapsuleConfig, choice: WeightChoice, rb: ReceiptBuilder, 
     progress.step("copying the native weight payload into memory alongside")
     return StagingJob(cfg, choice, rb, after=after)
 
-
-def in_background[T](fn: Callable[..., T], *args: object, **kwargs: object) -> Future[T]:
-    """*fn* run once on a thread of its own; its future."""
-    pool = ThreadPoolExecutor(1, thread_name_prefix="coldsnap-preparation")
-    try:
-        return pool.submit(fn, *args, **kwargs)
-    finally:
-        pool.shutdown(wait=False)
