@@ -91,6 +91,13 @@ def phase_bytes(cap: Capsule, receipt) -> dict[str, int]:
     return out
 
 
+#: what a restore's receipt says that its sample keeps (``notes``): hydration, preparation's
+#: reads, the memory fill, and the major faults (waits on the disk) of CRIU and of the restore
+NOTED = (
+    "hydrate", "hydrate_release", "weights_memory", "weights_cache", "files_cache", "layers_cache", "staged_images",
+    "criu_restore_seconds", "criu_restore_major_faults", "activation_major_faults", "page_fill",
+)  # fmt: skip
+
 #: the seconds a worker reports for the steps of its hydration from memory
 HYDRATE_STEPS = ("open_seconds", "register_seconds", "copy_seconds", "fill_wait_seconds")
 
@@ -142,7 +149,7 @@ def run_paths(
                     name, i, r.ttft_seconds or 0.0, prepare_seconds=prepared.prepare_seconds, phases=phases,
                     validated=bool(r.receipt.validation and r.receipt.validation.passed), steps=clock.durations(restore_end),
                     bytes=phase_bytes(prepared.capsule, r.receipt), first_token_floor=prepared.capsule.config.validation.request_ttft_seconds,
-                    notes={k: r.receipt.details[k] for k in ("hydrate", "hydrate_release", "weights_memory", "weights_cache", "files_cache", "layers_cache", "staged_images", "criu_restore_seconds", "page_fill") if k in r.receipt.details},
+                    notes={k: r.receipt.details[k] for k in NOTED if k in r.receipt.details},
                 )
             )  # fmt: skip
             progress.note("restore (%s): first token after %.2f s (prepared in %.2f s before the clock)" % (name, r.ttft_seconds or 0, prepared.prepare_seconds))

@@ -49,6 +49,25 @@ def test_the_runc_wrapper_is_recognized_and_never_taken_for_the_distributions_cr
     assert "system" not in by_source  # the wrapper is not "the system criu"
 
 
+def test_the_files_of_every_criu_a_restore_may_run_are_found_without_running_one(tmp_path, path_with, use_settings):
+    use_settings(home=tmp_path / "home")
+    prefix = tmp_path / "home" / "criu"
+    libdir = prefix / "usr" / "lib" / criu_tool._multiarch()
+    libdir.mkdir(parents=True)
+    (prefix / "usr" / "sbin").mkdir()
+    private = prefix / "usr" / "sbin" / "criu"
+    private.write_text("never run\n")  # found by its place, not by asking it its version
+    for name in (criu_tool._loader_name(), "libc.so.6", "libprotobuf-c.so.1.0.0"):
+        (libdir / name).write_bytes(b"\x7fELF")
+    (libdir / "libprotobuf-c.so.1").symlink_to("libprotobuf-c.so.1.0.0")  # read once, through its target
+    (libdir / "gconv").mkdir()
+    system = fake_criu(tmp_path / "sbin" / "criu", "4.2.1")
+    path_with(system.parent)
+
+    found = set(criu_tool.program_files())
+    assert found == {system.resolve(), private, *(libdir / n for n in (criu_tool._loader_name(), "libc.so.6", "libprotobuf-c.so.1.0.0"))}
+
+
 def test_doctor_says_which_private_criu_the_wrapper_runs_and_whose(tmp_path, path_with, use_settings):
     other_home = fake_criu(tmp_path / "other-home" / "criu" / "usr" / "sbin" / "criu", "4.2.1")
     wrapper = tmp_path / "local-sbin" / "criu"

@@ -261,9 +261,11 @@ def test_a_staging_job_given_something_to_wait_for_starts_copying_only_after_it(
     assert job.result().path == "native" and called == [True]
 
 
-def test_preparation_reads_what_the_restore_needs_first_and_the_payload_after_the_files(monkeypatch, tmp_path):
+@pytest.mark.parametrize("files_skipped", [False, True])
+def test_preparation_reads_what_the_restore_needs_first_and_the_payload_behind_the_files(monkeypatch, tmp_path, files_skipped):
     """The order on a node with nothing prepared: the capsule's layers at once, the tree's files
-    beside the unpacking, the payload only once the files are in, the restore not waiting for it."""
+    beside the unpacking, the payload once the files' reads are queued (or the files' read ended
+    without queueing any), the restore not waiting for it."""
     from types import SimpleNamespace
 
     from sparkrun_coldsnap.controller import restore as restore_mod
@@ -271,9 +273,10 @@ def test_preparation_reads_what_the_restore_needs_first_and_the_payload_after_th
     from sparkrun_coldsnap.weights.weight_paths import WeightChoice
 
     events: list[str] = []
-    files_go = threading.Event()
+    files_go, payload_began = threading.Event(), threading.Event()
     staged = SimpleNamespace(details={}, discard=lambda: events.append("discarded"))
-    r = SimpleNamespace(driver=None, adapter=SimpleNamespace(maps_native=True), launcher=SimpleNamespace(stage_phase="prepare.warm_up", stage=lambda *a, **k: staged))
+    programs = (tmp_path / "criu",)
+    r = SimpleNamespace(driver=SimpleNamespace(program_files=lambda: programs), adapter=SimpleNamespace(maps_native=True), launcher=SimpleNamespace(stage_phase="prepare.warm_up", stage=lambda *a, **k: staged))
     cap = SimpleNamespace(layers=[SimpleNamespace(digest="sha256:" + "a" * 64)], config=SimpleNamespace(units=[SimpleNamespace(name="unit")]))
     store = SimpleNamespace(blob_path=lambda digest: tmp_path / digest)
     monkeypatch.setattr(restore_mod, "open_and_admit", lambda *a, **k: (cap, r, WeightChoice("native", tmp_path), ()))
@@ -281,17 +284,23 @@ def test_preparation_reads_what_the_restore_needs_first_and_the_payload_after_th
     monkeypatch.setattr(restore_mod, "unpacked_size", lambda cap: 0)
     monkeypatch.setattr(restore_mod.page_cache, "cache_capsule_layers", lambda blobs, rb, progress: events.append("layers"))
 
-    def files(units, rb, progress, **_):
+    def files(units, rb, progress, *, programs, queued, **_):
+        assert programs == (tmp_path / "criu",)  # the restore's own tools are read with the files
         events.append("files begin")
-        files_go.wait(10)
+        if files_skipped:
+            return
+        files_go.wait(10)  # the layers are being unpacked
+        queued()
+        assert payload_began.wait(10)  # the payload's reads go in behind the files'
         events.append("files end")
 
     def unpack(store, cap, staging, rb, progress):
         events.append("unpack")
-        files_go.set()  # the files are still being read while the layers are unpacked
+        files_go.set()
 
     def stage(cfg, choice, rb, progress, **_):
         events.append("payload")
+        payload_began.set()
         return choice
 
     monkeypatch.setattr(restore_mod.page_cache, "cache_tree_files", files)
@@ -302,4 +311,7 @@ def test_preparation_reads_what_the_restore_needs_first_and_the_payload_after_th
     prepared = restore_mod.prepare_restore(req, store=store, settings=cold)  # type: ignore[arg-type]
     assert prepared.weights is not None and prepared.weights.pending is not None  # the restore goes ahead
     prepared.weights.settled()
-    assert events == ["layers", "files begin", "unpack", "files end", "payload"], events
+    if files_skipped:
+        assert events[:2] == ["layers", "files begin"] and sorted(events[2:]) == ["payload", "unpack"], events
+    else:
+        assert events == ["layers", "files begin", "unpack", "payload", "files end"], events

@@ -74,3 +74,44 @@ def test_preparation_caches_what_the_chosen_path_reads(tmp_path, use_settings):
     rb = ReceiptBuilder("restore")
     assert not page_cache.cache_for_restore(cap.config, native, str(model), rb, QUIET).cached
     assert rb.details["weights_cache"]["skipped"].startswith("reading ")
+
+
+def test_read_ahead_of_ranges_queues_them_all_before_any_read_waits(tmp_path, monkeypatch):
+    """The files a tree maps: every range handed to the kernel at once, then *queued* (what reads
+    after it lines up behind them), then each range read; nothing outside the ranges."""
+    f = tmp_path / "lib.so"
+    f.write_bytes(os.urandom(9 << 20))
+    spans = {f: [(0, 4096), (1 << 20, 5 << 20)]}
+    order: list[str] = []
+    advised: list[tuple[int, int]] = []
+    real_advise, real_pread = os.posix_fadvise, os.preadv
+
+    def advise(fd, offset, length, how):
+        assert how == os.POSIX_FADV_WILLNEED
+        advised.append((offset, length))
+        order.append("advise")
+        real_advise(fd, offset, length, how)
+
+    def pread(fd, bufs, offset):
+        order.append("read")
+        return real_pread(fd, bufs, offset)
+
+    monkeypatch.setattr(page_cache.os, "posix_fadvise", advise)
+    monkeypatch.setattr(page_cache.os, "preadv", pread)
+    assert page_cache.read_ahead([f], spans=spans, queued=lambda: order.append("queued")) == 4096 + (5 << 20)
+    # a range longer than one request is asked for in requests the kernel takes whole
+    assert advised == [(0, 4096), (1 << 20, 4 << 20), (5 << 20, 1 << 20)]
+    assert order.index("queued") == len(advised) and set(order[len(advised) + 1 :]) == {"read"}
+
+
+def test_the_restore_tools_are_read_whole_with_the_tree_files(tmp_path):
+    from types import SimpleNamespace
+
+    lib, tool = tmp_path / "lib.so", tmp_path / "criu"
+    lib.write_bytes(os.urandom(3 << 20))
+    tool.write_bytes(os.urandom(1 << 20))
+    unit = SimpleNamespace(files=[SimpleNamespace(path=str(lib), resident=((0, 8192),))])
+    rb, queued = ReceiptBuilder("restore"), []
+    page_cache.cache_tree_files([unit], rb, QUIET, programs=(tool, tmp_path / "gone"), queued=lambda: queued.append(True))  # type: ignore[list-item]
+    assert rb.details["files_cache"]["bytes"] == 8192 + (1 << 20) and rb.details["files_cache"]["files"] == 2
+    assert queued == [True]

@@ -251,7 +251,7 @@ def cmd_smoke(args) -> None:
         print("smoke %s: first token %.2f s, preparation %.2f s, total %.2f s, validated %s" % (s.path, s.ttft_seconds, s.prepare_seconds or 0.0, total, s.validated), flush=True)
         print("  phases: %s" % json.dumps({k: round(v, 3) for k, v in s.phases.items()}), flush=True)
         print("  steps: %s" % json.dumps({k: round(v, 3) for k, v in s.steps.items()}), flush=True)
-        print("  notes: %s" % json.dumps(s.notes)[:1500], flush=True)
+        print("  notes: %s" % json.dumps(s.notes)[:4000], flush=True)
 
 
 def machine_bandwidth(args) -> dict[str, float]:

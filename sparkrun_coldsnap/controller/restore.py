@@ -22,9 +22,9 @@ from sparkrun_coldsnap.documents.request import RestoreRequest
 from sparkrun_coldsnap.documents.settings import Settings
 from sparkrun_coldsnap.engines.base import Endpoint, HydrationResult
 from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, RestoreError, ValidationError
-from sparkrun_coldsnap.host import engine_temp, paths
+from sparkrun_coldsnap.host import engine_temp, major_faults, paths
 from sparkrun_coldsnap.host.atomic import owned_prefix
-from sparkrun_coldsnap.host.background import in_background
+from sparkrun_coldsnap.host.background import Milestone, in_background
 from sparkrun_coldsnap.host.ports import port_holder_settled
 from sparkrun_coldsnap.launch.base import StagedUnit
 from sparkrun_coldsnap.progress import QUIET, Progress
@@ -121,6 +121,7 @@ def prepare_restore(
         background = settings.cache_in_background
         stages_payload = choice is not None and choice.path == "native" and choice.native_dir is not None and settings.weights_memory and r.adapter.maps_native
         files_read: Future[None] | None = None
+        files_queued = Milestone()
         if stages_payload:
             # What the restore itself reads goes first, at the disk's full rate: the capsule's
             # layers, then the tree's files (about 1 GB for an 8B vLLM) while the layers are
@@ -130,10 +131,13 @@ def prepare_restore(
             if staged_at is None:
                 page_cache.cache_capsule_layers([store.blob_path(d.digest) for d in cap.layers], rb, progress)
             progress.step("reading the files the workload maps alongside")
-            files_read = in_background(page_cache.cache_tree_files, cap.config.units, rb, QUIET, enabled=settings.files_cache)
-        # The payload is copied into memory on a thread of its own, once the files are read,
-        # while the capsule is unpacked and the restore runs.
-        job = weights_memory.start_staging(cap.config, choice, rb, progress, after=files_read) if stages_payload and choice is not None else None
+            files_read = in_background(
+                page_cache.cache_tree_files, cap.config.units, rb, QUIET, enabled=settings.files_cache, programs=r.driver.program_files(), queued=files_queued.reach,
+            )  # fmt: skip
+            files_queued.by_end_of(files_read)
+        # The payload is copied into memory on a thread of its own, once the files' reads are
+        # queued (its own line up behind them), while the capsule is unpacked and the restore runs.
+        job = weights_memory.start_staging(cap.config, choice, rb, progress, after=files_queued.future) if stages_payload and choice is not None else None
         if job is not None:
             attempt.on_failure(job.discard)
         if staged_at is None:
@@ -151,7 +155,7 @@ def prepare_restore(
         if files_read is not None:
             files_read.result()
         else:
-            page_cache.cache_tree_files(cap.config.units, rb, progress, enabled=settings.files_cache, background=background)
+            page_cache.cache_tree_files(cap.config.units, rb, progress, enabled=settings.files_cache, background=background, programs=r.driver.program_files())
         if job is not None and background:
             # A node with nothing prepared: the restore goes ahead while the copy goes on;
             # hydration follows it (fill marks), or waits for it (phase hydrate.wait).
@@ -184,7 +188,7 @@ def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Pro
             holder = None if prepared.restored_ahead else port_holder_settled(w.launch.port)
             if holder:
                 raise RestoreError("port %d is in use by %s: stop that workload before restoring" % (w.launch.port, holder))
-            t0 = time.monotonic()
+            t0, faults = time.monotonic(), major_faults.of_self()
             with rb.phase("restore"):
                 running = attempt.running = prepared.staged.activate(req.workload_name, log_path=log_path, progress=progress.step)
                 root_pid = running.root_pid
@@ -219,6 +223,7 @@ def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Pro
             with rb.phase("validate"):
                 validation = validate(r, endpoint, req, t0, expected)
             rb.validation = validation
+            rb.details["activation_major_faults"] = major_faults.of_self() - faults  # this process's waits on the disk, on the clock
             if not validation.passed:
                 raise ValidationError("restored workload replied %r, capsule %s recorded %r: the capsule does not match this host; recapture" % (validation.reply, req.capsule.ref, expected))
             if h is not None and prepared.weights is not None:

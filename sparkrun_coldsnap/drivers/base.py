@@ -171,6 +171,11 @@ class SnapshotDriver(ABC):
         when sparkrun stops that workload, after staging and before the restore, so it is no
         problem."""
 
+    def program_files(self) -> tuple[Path, ...]:
+        """Files of the programs a restore runs (not the tree's own): preparation reads them
+        into the page cache with the tree's files."""
+        return ()
+
     def warm_up(self, unit: UnitImage) -> Any:
         """Start, during preparation, what a restore of *unit* will need and that does not
         touch the running workload (the n610 driver's CUDA helper); handed to ``restore``

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sparkrun_coldsnap.drivers import image_contents, zero_pages
+from sparkrun_coldsnap.drivers import criu_tool, image_contents, zero_pages
 from sparkrun_coldsnap.drivers.base import SnapshotDriver
 from sparkrun_coldsnap.drivers.criu_tool import Criu
 
@@ -15,6 +15,9 @@ class CriuDriver(SnapshotDriver):
 
     def checkpoint_tool_version(self) -> str | None:
         return Criu.locate().version
+
+    def program_files(self) -> tuple[Path, ...]:
+        return criu_tool.program_files()
 
     def compact_images(self, images: Path) -> dict[str, Any] | None:
         # Zero pages of private memory come back as zeros without being in the images:

@@ -165,6 +165,24 @@ def for_runc() -> CriuCandidate | None:
     return probe_path(found[0]) if found else None
 
 
+def program_files() -> tuple[Path, ...]:
+    """The files of every CRIU a restore may run, found without running one: the override's
+    and PATH's programs, and the private prefix's loader, program and libraries (its own libc
+    among them, which no host process has in memory). Read during preparation, they keep
+    ``criu restore`` from faulting its code in page by page from a disk busy with the weights."""
+    argvs = [tuple(settings.current().criu or ())] + [wrapped_argv(p) or (str(p),) for p in on_path()] + [private_argv() or ()]
+    out: list[Path] = []
+    for argv in argvs:
+        words = list(argv)
+        for i, word in enumerate(words):
+            path = Path(word)
+            if i and words[i - 1] == "--library-path" and path.is_dir():
+                out += sorted(f for f in path.iterdir() if f.is_file() and not f.is_symlink())
+            elif path.is_absolute() and path.is_file():
+                out.append(path.resolve())
+    return tuple(dict.fromkeys(out))
+
+
 class Criu:
     """A located CRIU: ``dump``, ``restore`` and ``check`` with the project's flags."""
 

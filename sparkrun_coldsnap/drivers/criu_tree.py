@@ -35,7 +35,7 @@ from sparkrun_coldsnap.drivers import page_fill, tree_inspect
 from sparkrun_coldsnap.drivers.base import Progress, SharedFile, UnitImage
 from sparkrun_coldsnap.drivers.criu_tool import Criu, how_it_ended, log_tail
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
-from sparkrun_coldsnap.host import connections, paths, peer_lock, xstate_perm
+from sparkrun_coldsnap.host import connections, major_faults, paths, peer_lock, xstate_perm
 from sparkrun_coldsnap.host.process_tree import fd_targets, kill_tree, shared_memory_files, tree_pids, users_of
 from sparkrun_coldsnap.host.runner import run
 from sparkrun_coldsnap.host.sparse import copy_sparse
@@ -398,11 +398,13 @@ def restore(
         if filling:
             args.append("--leave-stopped")
         progress("criu restore%s" % (" (memory on demand)" if lazy else ""))
-        t = time.monotonic()
+        t, faults = time.monotonic(), major_faults.of_children()
         done = criu.run(args, timeout=1800, pass_fds=(log_fd,), what="criu restore")
         log.debug("criu restore took %.3f s", time.monotonic() - t)
         if details is not None:
             details["criu_restore_seconds"] = round(time.monotonic() - t, 4)
+            # Pages CRIU itself had to wait for from the disk: none where preparation read its files.
+            details["criu_restore_major_faults"] = major_faults.of_children() - faults
     finally:
         os.close(log_fd)
     if done.returncode != 0:

@@ -45,7 +45,8 @@ class RecordedFile(Strict):
     package: str | None = Field(None, description="The host package that owns the file, as name=version; set instead of sha256.")
     sha256: str | None = Field(None, description="Content digest, for files no host package owns.")
     resident: tuple[tuple[int, int], ...] | None = Field(
-        None, description="Byte ranges (offset, length) of the file whose pages the tree had mapped in at capture: what preparation reads ahead; none: the whole file (not mapped, or recorded before ranges were).",
+        None,
+        description="Byte ranges (offset, length) of the file whose pages the tree had mapped in at capture: what preparation reads ahead; none: the whole file (not mapped, or recorded before ranges were).",
     )
 
 

@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 READ = 16 << 20  # bytes per read call
 RANGE = 256 << 20  # bytes per task: a large file is read by several threads at once
 READERS = 8
+#: bytes per read-ahead request (the kernel clamps one to its read-ahead window)
+ADVICE = 4 << 20
 #: the share of MemAvailable the files may take
 SHARE = 0.5
 
@@ -74,10 +76,27 @@ def plan(files: Sequence[Path], available: int | None = None) -> Plan:
     return Plan(tuple(files), sum(f.stat().st_size for f in files), memory_available() if available is None else available)
 
 
-def read_ahead(files: Sequence[Path], tick: Callable[[int], None] | None = None, spans: Mapping[Path, Sequence[tuple[int, int]]] | None = None) -> int:
+def advise(tasks: Iterable[tuple[int, int, int]]) -> None:
+    """Ask the kernel to read each (fd, offset, length) now, without waiting for it: it queues
+    them all at the depth the disk takes, where a few reading threads have one read each in
+    flight (the files a tree maps are mostly short ranges: 0.61 GB in 374 files read at
+    0.39 GB/s that way, on a disk of 1.64 GB/s). Only advice: the reads that follow wait for
+    what is still on its way and read whatever the kernel left out."""
+    for fd, offset, length in tasks:
+        for at in range(offset, offset + length, ADVICE):
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(fd, at, min(ADVICE, offset + length - at), os.POSIX_FADV_WILLNEED)
+
+
+def read_ahead(
+    files: Sequence[Path], tick: Callable[[int], None] | None = None, spans: Mapping[Path, Sequence[tuple[int, int]]] | None = None,
+    queued: Callable[[], None] | None = None,
+) -> int:  # fmt: skip
     """Read every file once (only its *spans*, byte ranges, where given), in ranges spread over
     a few threads (one large file is the usual case: a native payload), so the kernel keeps
-    them cached; returns the bytes read."""
+    them cached; returns the bytes read. With *spans*, every range is first handed to the
+    kernel at once (:func:`advise`), and *queued* is called then: reads issued after that
+    line up behind these."""
     fds: list[int] = []
     local = threading.local()
 
@@ -103,6 +122,10 @@ def read_ahead(files: Sequence[Path], tick: Callable[[int], None] | None = None,
             for start, length in (spans or {}).get(f, ((0, size),)):
                 end = min(size, start + length)
                 tasks += [(fd, off, min(RANGE, end - off)) for off in range(start, end, RANGE)]
+        if spans is not None:
+            advise(tasks)
+        if queued is not None:
+            queued()
         with ThreadPoolExecutor(READERS) as pool:
             return sum(pool.map(one, tasks))
     finally:
@@ -126,7 +149,7 @@ def span_bytes(files: Sequence[Path], spans: Mapping[Path, Sequence[tuple[int, i
 
 def _read_into_cache(
     files: Sequence[Path], what: str, key: str, rb: ReceiptBuilder, progress: Progress, *, background: bool = False,
-    spans: Mapping[Path, Sequence[tuple[int, int]]] | None = None,
+    spans: Mapping[Path, Sequence[tuple[int, int]]] | None = None, queued: Callable[[], None] | None = None,
 ) -> bool:  # fmt: skip
     """Read *files* into the page cache when they fit; the receipt says what was read, or why not.
     *background*: start reading and return at once (a node with nothing prepared: the restore
@@ -142,7 +165,7 @@ def _read_into_cache(
             rb.details[key] = {"bytes": p.total, "files": len(files), "background": True}
             return True
         with rb.phase("prepare.%s" % key), progress.transfer("reading %d %s into the page cache" % (len(files), what), p.total) as tick:
-            read = read_ahead(files, tick, spans)
+            read = read_ahead(files, tick, spans, queued)
     except OSError as err:  # only a head start: the restore reads the files itself and reports what is wrong
         rb.details[key] = {"skipped": "reading %s failed: %s" % (err.filename or "a file", err.strerror)}
         return False
@@ -172,22 +195,28 @@ def cache_capsule_layers(blobs: Sequence[Path], rb: ReceiptBuilder, progress: Pr
         _read_into_cache(files, "capsule layer(s)", "layers_cache", rb, progress)
 
 
-def cache_tree_files(units: Iterable[UnitImage], rb: ReceiptBuilder, progress: Progress, *, enabled: bool = True, background: bool = False) -> None:
+def cache_tree_files(
+    units: Iterable[UnitImage], rb: ReceiptBuilder, progress: Progress, *, enabled: bool = True, background: bool = False,
+    programs: Sequence[Path] = (), queued: Callable[[], None] | None = None,
+) -> None:  # fmt: skip
     """Read the files the captured tree mapped or held open (the engine's libraries and code)
     into the page cache. A restored process maps them again as they were and its first request
     runs through their pages: after a cold start of the host those would come from the disk,
     on the clock (about a second for a CUDA engine's libraries). Of a file whose resident
-    ranges capture recorded, only those are read (host/resident_pages.py)."""
+    ranges capture recorded, only those are read (host/resident_pages.py). *programs* (the
+    restore's own tools: the driver's ``program_files``) are read whole beside them; *queued*
+    is called once every read is handed to the kernel (:func:`read_ahead`)."""
     if not enabled:
         rb.details["files_cache"] = {"skipped": "COLDSNAP_FILES_CACHE=off"}
         return
     recorded = [f for u in units for f in u.files if os.path.isfile(f.path)]
-    files = sorted({Path(f.path) for f in recorded})
-    whole = {Path(f.path) for f in recorded if f.resident is None}
+    tools = [p for p in programs if p.is_file()]
+    files = sorted({Path(f.path) for f in recorded} | set(tools))
+    whole = {Path(f.path) for f in recorded if f.resident is None} | set(tools)
     spans: dict[Path, list[tuple[int, int]]] = {}
     for f in recorded:
         if f.resident is not None and Path(f.path) not in whole:
             spans.setdefault(Path(f.path), []).extend(f.resident)
     spans = {path: resident_pages.join(ranges) for path, ranges in spans.items()}
     if files:
-        _read_into_cache(files, "file(s) the workload maps", "files_cache", rb, progress, background=background, spans=spans)
+        _read_into_cache(files, "file(s) the workload maps", "files_cache", rb, progress, background=background, spans=spans, queued=queued)

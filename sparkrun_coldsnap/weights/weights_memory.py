@@ -243,4 +243,3 @@ def start_staging(cfg: CapsuleConfig, choice: WeightChoice, rb: ReceiptBuilder, 
         return None
     progress.step("copying the native weight payload into memory alongside")
     return StagingJob(cfg, choice, rb, after=after)
-
