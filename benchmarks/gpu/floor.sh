@@ -22,7 +22,7 @@ case "${1:-}" in
     ;;
   smoke)
     eval "$(bash benchmarks/gpu/device.sh env)"
-    step smoke Q smoke --paths "${PATHS:-n610:native:cold}"
+    step smoke Q smoke --paths "${PATHS:-n610:native:cold}" --smoke-samples "${SAMPLES:-1}"
     ;;
   samples)
     eval "$(bash benchmarks/gpu/device.sh env)"

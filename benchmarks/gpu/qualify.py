@@ -20,6 +20,7 @@ memory (drivers/gpu_ranks.py), and ``ranks`` reports which NCCL transports the r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -239,14 +240,17 @@ def cmd_samples(args) -> None:
 
 
 def cmd_smoke(args) -> None:
-    """Each path restored once, no vanilla start and nothing kept: whether it works, and its
-    phases, before the samples spend minutes on vanilla starts."""
+    """Each path restored --smoke-samples times (default once), no vanilla start: whether it
+    works, and its phases, before the samples spend minutes on vanilla starts; the restores'
+    samples go to $OUT/smoke.json (no ratio: nothing vanilla ran beside them)."""
     store = CapsuleStore(args.work / "store")
     restores, _, environ = restores_for(args, store)
     if not restores:
         sys.exit("nothing to restore")
     vanilla = next(iter(restores.values()))[0]
-    for s in bench.run_paths(vanilla, restores, samples=1, progress=Progress(), drop_cache=True, settings_for=environ, with_vanilla=False):
+    done = bench.run_paths(vanilla, restores, samples=args.smoke_samples, progress=Progress(), drop_cache=True, settings_for=environ, with_vanilla=False)
+    (args.out / "smoke.json").write_text(json.dumps([dataclasses.asdict(s) for s in done], indent=1))
+    for s in done:
         total = s.ttft_seconds + (s.prepare_seconds or 0.0)
         print("smoke %s: first token %.2f s, preparation %.2f s, total %.2f s, validated %s" % (s.path, s.ttft_seconds, s.prepare_seconds or 0.0, total, s.validated), flush=True)
         print("  phases: %s" % json.dumps({k: round(v, 3) for k, v in s.phases.items()}), flush=True)
@@ -326,6 +330,7 @@ def main() -> None:
     ap.add_argument("--paths", type=lambda s: [d for d in s.split(",") if d], default=["n610:native", "n610:recovery", "n580"], help="driver[:weights] to restore by")
     ap.add_argument("--restore-gpus", default="1", help="other-gpu: CUDA_VISIBLE_DEVICES of the restoring side")
     ap.add_argument("--samples", type=int, default=3)
+    ap.add_argument("--smoke-samples", type=int, default=1, help="smoke: restores per path")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the unit (one GPU each)")
     ap.add_argument("--engine", choices=sorted(COMMANDS), default="vllm")
     ap.add_argument("--engine-site", default="", help="PYTHONPATH of the engine's carried packages")
