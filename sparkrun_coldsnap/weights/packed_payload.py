@@ -41,8 +41,9 @@ from sparkrun_coldsnap.progress import Progress
 
 # blosc2 keeps the interpreter lock through a call by default. On a node with nothing prepared
 # the payload's copy decompresses beside the rest of the restore, in the same process: a
-# Python loop beside one thread decompressing pieces ran at 36% of its speed alone, and at
-# 101% with the lock let go (the capsule's unpacking and the memory fill are such threads).
+# Python loop beside one thread decompressing pieces ran at a third of its speed alone, and at
+# full speed with the lock let go (benchmarks/decompress_lock_probe.py; the capsule's unpacking
+# and the memory fill are such threads).
 # Process-wide: no codec or filter of this project is written in Python, which would need it.
 blosc2.set_releasegil(True)
 
