@@ -4,6 +4,7 @@ holder killed outright."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -72,3 +73,49 @@ def test_a_token_that_is_not_a_name_is_refused_before_anything_changes(switch_on
     with pytest.raises(CaptureError, match="hold token"):
         hold_off("../x")
     assert value() == "0"
+
+
+def test_a_hold_whose_coordinator_on_this_host_was_killed_outright_stops_counting(switch_on):
+    code = "import os, signal; from sparkrun_coldsnap.host.iouring import coordinator, hold_off\nhold_off('coordinator-3', coordinator())\nos.kill(os.getpid(), signal.SIGKILL)"
+    cp = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert cp.returncode < 0, cp.stderr
+    assert value() == "2" and holders() == []  # its let-go never came; the hold ended with it
+    assert put_back_after_crash() == "0" and value() == "0"
+
+
+def test_a_hold_whose_coordinator_cannot_be_seen_from_here_counts_until_let_go(switch_on):
+    gone = subprocess.run([sys.executable, "-c", "import json; from sparkrun_coldsnap.host.iouring import coordinator; print(json.dumps(coordinator()))"], capture_output=True, text=True, check=True)
+    by = {**json.loads(gone.stdout), "boot_id": "another-kernel"}  # a pid here says nothing of a process under another kernel
+    hold_off("coordinator-4", by)
+    assert holders() == ["holder-remote-coordinator-4"] and put_back_after_crash() is None
+    hold_off("coordinator-5", iouring.coordinator())  # alive: this process
+    assert len(holders()) == 2
+    let_go("coordinator-4")
+    assert let_go("coordinator-5") == "0" and value() == "0"
+
+
+class AnswerLost:
+    """Unit hosts whose agent takes the hold but whose answer never arrives."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def agent(self, unit, op, doc, timeout):
+        from sparkrun_coldsnap.integration import unit_agent
+
+        self.calls.append(op)
+        getattr(unit_agent, op)(doc)
+        if op == "io_uring_off":
+            raise CaptureError("no answer from %s within %d s" % (unit.host, timeout))
+        return {}
+
+
+def test_a_hold_taken_whose_answer_was_lost_is_let_go(switch_on):
+    from sparkrun_coldsnap.controller.units import _io_uring_off
+    from sparkrun_coldsnap.documents.request import LaunchUnit
+
+    hosts = AnswerLost()
+    with pytest.raises(CaptureError, match="no answer"), _io_uring_off(hosts, [LaunchUnit(name="solo", host="localhost")]):
+        pass
+    assert hosts.calls == ["io_uring_off", "io_uring_back"]
+    assert value() == "0" and holders() == []

@@ -53,6 +53,7 @@ from sparkrun_coldsnap.documents.settings import Settings
 from sparkrun_coldsnap.drivers.base import UnitImage
 from sparkrun_coldsnap.engines.base import Endpoint
 from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, RequestError, ValidationError
+from sparkrun_coldsnap.host import iouring
 from sparkrun_coldsnap.host.file_drift import RecordedFile
 from sparkrun_coldsnap.launch.remote import UnitHosts
 from sparkrun_coldsnap.progress import QUIET, Progress
@@ -100,14 +101,15 @@ def _io_uring_off(hosts: UnitHosts, units: Sequence[LaunchUnit]):
     """io_uring off on every unit's host while their engines start and are dumped; each host
     counts this capture as one holder, known by its token, beside any capture of its own."""
     token = uuid.uuid4().hex
-    done: list[LaunchUnit] = []
+    by = iouring.coordinator()  # a host where this process runs ends the hold with it, should it be killed outright
+    asked: list[LaunchUnit] = []
     try:
         for u in units:
-            hosts.agent(u, "io_uring_off", {"token": token}, timeout=60)
-            done.append(u)
+            asked.append(u)  # before the call: one that took the hold but whose answer was lost is let go too
+            hosts.agent(u, "io_uring_off", {"token": token, "coordinator": by}, timeout=60)
         yield
     finally:
-        for u in reversed(done):
+        for u in reversed(asked):
             with contextlib.suppress(ColdsnapError):
                 hosts.agent(u, "io_uring_back", {"token": token}, timeout=60)
 

@@ -12,13 +12,17 @@ needs it off registers as a holder, in a folder of the host's (not of a home),
 and the setting from before is put back only when the last holder lets go. A
 holder here is a process: one killed outright stops counting as soon as anyone
 looks. A holder on another host's behalf (``hold_off``) is known by a token,
-and stops counting when it lets go or after :data:`REMOTE_HOLD_SECONDS`.
+and stops counting when it lets go or after :data:`REMOTE_HOLD_SECONDS`; or,
+where the coordinator that asked for it ran on this very host (one kernel, one
+process namespace: a cluster of one machine, or hosts that are namespaces of
+it), as soon as that process is gone, like a holder here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import time
 import uuid
@@ -57,12 +61,21 @@ def io_uring_disabled() -> Iterator[None]:
         _release(holder)
 
 
-def hold_off(token: str) -> str | None:
+def coordinator() -> dict[str, str | int]:
+    """Who asks for a hold: this process, with what tells whether a host can see it (its
+    kernel's boot and its process namespace) and its start, so a reused pid is not it."""
+    pid = os.getpid()
+    return {"boot_id": _boot_id(), "pid_namespace": _pid_namespace(), "pid": pid, "start_ticks": start_ticks(pid)}
+
+
+def hold_off(token: str, by: dict[str, str | int] | None = None) -> str | None:
     """Turn io_uring off on behalf of a capture coordinated from another host, until
-    :func:`let_go` with the same *token*. Returns the value before (None: no switch)."""
+    :func:`let_go` with the same *token*; *by* (:func:`coordinator` of the asking process)
+    lets the hold end with that process where it ran on this host. Returns the value
+    before (None: no switch)."""
     if not SYSCTL.exists():
         return None
-    return _acquire("remote-" + _checked(token))
+    return _acquire("remote-" + _checked(token), {"since": time.time(), "coordinator": by})
 
 
 def let_go(token: str) -> str | None:
@@ -105,7 +118,7 @@ def _locked() -> Iterator[Path]:
         os.close(fd)
 
 
-def _acquire(holder: str) -> str:
+def _acquire(holder: str, record: dict | None = None) -> str:
     with _locked() as d:
         _prune(d)
         # A capture killed outright left the value from before it: that one is to put back.
@@ -118,7 +131,7 @@ def _acquire(holder: str) -> str:
                 if not any(d.glob("holder-*")):
                     (d / "previous").unlink(missing_ok=True)
                 raise CaptureError("cannot disable io_uring for the capture (%s): run as root, or set kernel.io_uring_disabled=2 yourself" % err.strerror) from err
-        (d / ("holder-" + holder)).write_text(str(time.time()))
+        (d / ("holder-" + holder)).write_text(json.dumps(record or {"since": time.time()}))
         return old
 
 
@@ -150,15 +163,39 @@ def _alive(p: Path) -> bool:
     kind, _, rest = p.name[len("holder-") :].partition("-")
     if kind == "remote":
         try:
-            since = float(p.read_text())
-        except (OSError, ValueError):
+            record = json.loads(p.read_text())
+            since = float(record["since"] if isinstance(record, dict) else record)  # a bare time: written before coordinators were recorded
+        except (OSError, ValueError, KeyError, TypeError):
             return False
-        return time.time() - since < REMOTE_HOLD_SECONDS
+        if time.time() - since >= REMOTE_HOLD_SECONDS:
+            return False
+        by = record.get("coordinator") if isinstance(record, dict) else None
+        return _coordinator_alive(by) if isinstance(by, dict) else True
     try:
         pid, ticks, _ = rest.split("-", 2)
         return start_ticks(int(pid)) == int(ticks)
     except (OSError, ValueError):
         return False  # the process is gone, or a name this version did not write
+
+
+def _coordinator_alive(by: dict) -> bool:
+    """False only where the coordinator ran under this kernel and in this process namespace
+    and is gone (killed outright, its let-go never sent); elsewhere it cannot be seen from
+    here, and the hold's time bounds it."""
+    if by.get("boot_id") != _boot_id() or by.get("pid_namespace") != _pid_namespace():
+        return True
+    try:
+        return start_ticks(int(by["pid"])) == int(by["start_ticks"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _boot_id() -> str:
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
+def _pid_namespace() -> str:
+    return os.readlink("/proc/self/ns/pid")
 
 
 def _marker_value(d: Path) -> str | None:

@@ -316,7 +316,8 @@ def native_place(doc: dict[str, Any]) -> dict[str, Any]:
 def io_uring_off(doc: dict[str, Any]) -> dict[str, Any]:
     from sparkrun_coldsnap.host.iouring import hold_off
 
-    return {"previous": hold_off(str(doc["token"]))}
+    by = doc.get("coordinator")
+    return {"previous": hold_off(str(doc["token"]), by if isinstance(by, dict) else None)}
 
 
 def io_uring_back(doc: dict[str, Any]) -> dict[str, Any]:
