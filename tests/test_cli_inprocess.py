@@ -119,9 +119,7 @@ def restore_document(**changes) -> dict:
 
     from sparkrun_coldsnap.documents.request import CapsuleName, RestoreRequest, ValidationSpec
 
-    req = RestoreRequest(
-        workload=synthetic_workload(), validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="absent"), on_missing="fail", workload_name="w"
-    )
+    req = RestoreRequest(workload=synthetic_workload(), validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="absent"), on_missing="fail", workload_name="w")
     doc = req.model_copy(update={"request_sha256": req.digest()}).model_dump(mode="json")
     doc.update(changes)
     return doc

@@ -209,9 +209,7 @@ def test_a_missing_capsule_starts_the_engine_vanilla_unless_told_to_fail(tmp_pat
         assert r.details["instead_of_restore"] == plan.vanilla_because
         assert notes == ["%s: starting the engine vanilla (capture it with `sparkrun coldsnap capture`)" % plan.vanilla_because]
         assert started.outcome.root_pid in {p.pid for p in fake_processes(port)}
-        reply = requests.post(
-            "http://127.0.0.1:%d/v1/chat/completions" % port, json={"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}, timeout=10
-        ).json()
+        reply = requests.post("http://127.0.0.1:%d/v1/chat/completions" % port, json={"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}, timeout=10).json()
         assert reply["choices"][0]["message"]["content"] == r.validation.reply
     finally:
         kill_tree(started.outcome.root_pid, grace=2.0)
@@ -382,9 +380,7 @@ def test_a_second_restore_while_the_first_serves_is_refused_and_the_first_serves
         assert r is not None and r.state == "refused" and r.error is not None and r.error.phase == "prepare.admission"
         assert "captured PID" in caught.value.message and caught.value.exit_code == 3
         nothing_staged(store)
-        reply = requests.post(
-            "http://127.0.0.1:%d/v1/chat/completions" % port, json={"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}, timeout=10
-        ).json()
+        reply = requests.post("http://127.0.0.1:%d/v1/chat/completions" % port, json={"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}, timeout=10).json()
         assert reply["choices"][0]["message"]["content"] == receipt.validation.reply  # type: ignore[union-attr]
     finally:
         kill_tree(first.outcome.root_pid, grace=2.0)

@@ -91,10 +91,7 @@ while time.monotonic() < end:
 def test_writers_and_gc_on_one_store_at_once_lose_nothing(tmp_path):
     store = CapsuleStore(tmp_path / "store").init()
     tests = str(ROOT / "tests")
-    procs = [
-        subprocess.Popen([sys.executable, "-c", WRITER % (tests, str(store.root), str(tmp_path / ("w%d" % n))), str(n)], cwd=str(ROOT), stderr=subprocess.PIPE, text=True)
-        for n in range(3)
-    ]
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER % (tests, str(store.root), str(tmp_path / ("w%d" % n))), str(n)], cwd=str(ROOT), stderr=subprocess.PIPE, text=True) for n in range(3)]
     procs.append(subprocess.Popen([sys.executable, "-c", COLLECTOR % (tests, str(store.root))], cwd=str(ROOT), stderr=subprocess.PIPE, text=True))
     for p in procs:
         _, err = p.communicate(timeout=300)

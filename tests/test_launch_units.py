@@ -196,9 +196,7 @@ def test_a_placement_other_than_the_captured_one_is_named_unit_by_unit(tmp_path)
     assert "run on the captured hosts in rank order (-H %s,%s)" % (a.host, b.host) in err.value.message
     solo = captured.model_copy(update={"topology": captured.topology.model_copy(update={"units": (a.model_copy(update={"name": "solo"}),)})})
     one = RestoreRequest(workload=solo, validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="two-hosts"), workload_name="w")
-    assert topology_problems(_capsule_of(captured), one) == [
-        "the capsule has 2 units (rank-0 on %s, rank-1 on %s), the run places 1 (solo on %s)" % (a.host, b.host, a.host)
-    ]
+    assert topology_problems(_capsule_of(captured), one) == ["the capsule has 2 units (rank-0 on %s, rank-1 on %s), the run places 1 (solo on %s)" % (a.host, b.host, a.host)]
     same = RestoreRequest(workload=captured, validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="two-hosts"), workload_name="w")
     assert topology_problems(_capsule_of(captured), same) == []
 

@@ -39,9 +39,7 @@ def hf_cache(tmp_path: Path) -> tuple[Path, Path]:
 
 def workload(command: str, model_dir: Path | None):
     w = synthetic_workload()
-    return w.model_copy(
-        update={"launch": w.launch.model_copy(update={"command": command}), "model": w.model.model_copy(update={"path": str(model_dir) if model_dir else None})}
-    )
+    return w.model_copy(update={"launch": w.launch.model_copy(update={"command": command}), "model": w.model.model_copy(update={"path": str(model_dir) if model_dir else None})})
 
 
 @pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)

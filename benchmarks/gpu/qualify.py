@@ -66,11 +66,9 @@ def make_model(work: Path, shape: str, python: str, device: str) -> dict:
 
 # The same budget for both engines: 30% of the GPU, 2048 tokens of context, no custom all-reduce.
 COMMANDS = {
-    "vllm": "{python} -m vllm.entrypoints.openai.api_server --model {path} --served-model-name {name} --port {port} "
-    "--gpu-memory-utilization 0.3 --max-model-len 2048 --disable-custom-all-reduce {extra}",
+    "vllm": "{python} -m vllm.entrypoints.openai.api_server --model {path} --served-model-name {name} --port {port} --gpu-memory-utilization 0.3 --max-model-len 2048 --disable-custom-all-reduce {extra}",
     # The PyTorch sampler: flashinfer's would JIT-compile its kernels at the first request.
-    "sglang": "{python} -m sglang.launch_server --model-path {path} --served-model-name {name} --port {port} "
-    "--mem-fraction-static 0.3 --context-length 2048 --disable-custom-all-reduce --sampling-backend pytorch {extra}",
+    "sglang": "{python} -m sglang.launch_server --model-path {path} --served-model-name {name} --port {port} --mem-fraction-static 0.3 --context-length 2048 --disable-custom-all-reduce --sampling-backend pytorch {extra}",
 }
 
 ENGINE_ENV = {

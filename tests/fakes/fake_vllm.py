@@ -95,7 +95,6 @@ def make_handler(engine: Engine, args):
     dev = os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
 
     class Handler(JsonHandler):
-
         def _route(self) -> tuple[str, dict]:
             parts = urlsplit(self.path)
             print("fake-vllm call: %s" % json.dumps({"method": self.command, "path": self.path}), flush=True)

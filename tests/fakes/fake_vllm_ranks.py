@@ -250,7 +250,6 @@ def make_handler(engine: Engine, api_ctx, served: str):
     dev = os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
 
     class Handler(JsonHandler):
-
         def do_GET(self):
             print("fake-vllm call: %s" % json.dumps({"method": "GET", "path": self.path}), flush=True)
             path = urlsplit(self.path).path
