@@ -29,7 +29,7 @@ from sparkrun_coldsnap.drivers import criu_tree, page_fill
 from sparkrun_coldsnap.drivers.cpu import CpuDriver
 from sparkrun_coldsnap.drivers.criu_tool import Criu
 from sparkrun_coldsnap.host import xstate_perm
-from sparkrun_coldsnap.host.process_tree import kill_tree
+from sparkrun_coldsnap.host.process_tree import kill_tree, tree_pids
 from sparkrun_coldsnap.host.xstate_perm import _ERESTART_RESTARTBLOCK, _NO_SYSCALL, _ORIG_RAX, _RAX, _RIP, _Regs
 
 TILES = 1 << 18  # XFEATURE_XTILEDATA
@@ -321,13 +321,21 @@ def given_back(details: dict, processes: int = 2) -> None:
 
 @pytest.mark.parametrize("memory", ["filled", "on-demand", "copied"])
 @pytest.mark.parametrize("own_namespaces", [False, True], ids=["host-namespaces", "own-namespaces"])
-def test_every_restore_path_gives_the_processes_their_tiles_back_and_they_run_on(tmp_path, memory, own_namespaces):
-    """Filled: CRIU leaves the tree stopped, it is asked before it is continued. On demand or
-    copied by CRIU: the tree runs as soon as CRIU is done, and is asked running."""
+def test_every_restore_path_gives_the_processes_their_tiles_back_before_any_runs_and_they_run_on(tmp_path, monkeypatch, memory, own_namespaces):
+    """Filled, on demand or copied by CRIU: CRIU leaves the tree stopped, every thread of it is
+    in its stop when it is asked, and it runs on once continued."""
     filled, lazy = memory == "filled", memory == "on-demand"
     images, image, port, before = dump_pattern(tmp_path, PAGES)
     if filled:
         assert page_fill.split_for_fill(images).bytes_moved > 0
+    asked_while: list[bool] = []
+    ask = xstate_perm.give_back_tiles
+
+    def ask_stopped(root_pid, **kw):
+        asked_while.append(all(page_fill.threads_stopped(p) for p in tree_pids(root_pid)))
+        return ask(root_pid, **kw)
+
+    monkeypatch.setattr(xstate_perm, "give_back_tiles", ask_stopped)
     measured: dict = {}
     with settings.using(settings.current().replace(lazy_pages=lazy)):
         if own_namespaces:
@@ -337,6 +345,7 @@ def test_every_restore_path_gives_the_processes_their_tiles_back_and_they_run_on
             pid, _ = criu_tree.restore(Criu.locate(), image, images, log_path=tmp_path / "restore.log", progress=lambda m: None, lazy=lazy, details=measured)
     try:
         assert ("page_fill" in measured) == filled, measured
+        assert asked_while == [True], "the tree ran before its processes were asked"
         given_back(measured)
         # The parent waits in its server's poll, the child in a read of a pipe: both answer.
         assert digest(port) == before

@@ -27,7 +27,7 @@ from sparkrun_coldsnap.drivers.base import Progress, UnitImage
 from sparkrun_coldsnap.drivers.criu_tool import Criu, how_it_ended, log_tail
 from sparkrun_coldsnap.drivers.criu_tree import BASE_FLAGS, RESTORE_LOG, TCP_FLAGS
 from sparkrun_coldsnap.errors import RestoreError
-from sparkrun_coldsnap.host import paths, xstate_perm
+from sparkrun_coldsnap.host import paths
 
 KEEPER = "sparkrun_coldsnap.drivers.namespace_keeper"
 
@@ -56,11 +56,12 @@ def restore(
     restored tasks fault on are served from the images the daemon reads. It removes
     *owned_dir* once every page has moved.
 
-    Images split for a fill (:mod:`sparkrun_coldsnap.drivers.page_fill`) come back stopped
-    and are filled from this side, the host's: the fill finds each process by the PID it
-    has inside the namespace, the one the images name. Either way its processes get back the
-    AMX tile permission CRIU does not restore (:mod:`sparkrun_coldsnap.host.xstate_perm`)
-    before this returns. *details* receives the timings.
+    The tree comes back stopped. Images split for a fill
+    (:mod:`sparkrun_coldsnap.drivers.page_fill`) are filled from this side, the host's: the
+    fill finds each process by the PID it has inside the namespace, the one the images name.
+    Every process gets back the AMX tile permission CRIU does not restore
+    (:mod:`sparkrun_coldsnap.host.xstate_perm`) before the tree is continued. *details*
+    receives the timings.
     """
     filling = page_fill.fill_planned(images)
     lazy = not filling and criu_tree.lazy_pages_supported(criu)
@@ -74,8 +75,7 @@ def restore(
     daemon = criu_tree._start_lazy_daemon(criu, images, owned_dir) if lazy else None
     if daemon is not None:
         args.append("--lazy-pages")
-    if filling:
-        args.append("--leave-stopped")
+    args.append("--leave-stopped")  # every path: no process runs before it has its AMX permission back
     spec = {
         "criu_argv": list(criu.argv),
         "restore_args": args,
@@ -127,12 +127,8 @@ def restore(
         # its statistics there: the daemon's removal then raced it, so remove again.
         paths.remove_staging(owned_dir)
     root = int(said["root_pid"])
-    if filling:
-        # A fill that fails ends the tree, and the keeper with it (it ends with its root).
-        criu_tree.fill_and_continue(unit, images, root, progress=progress, details=details)
-    else:
-        # Running already, its memory coming on demand or copied by CRIU: before the port is used.
-        xstate_perm.give_back_tiles(root, unit_name=unit.name, details=details)
+    # A fill that fails ends the tree, and the keeper with it (it ends with its root).
+    criu_tree.continue_restored(unit, images, root, filling=filling, progress=progress, details=details)
     return root, int(said["keeper_pid"]), handed
 
 

@@ -366,10 +366,10 @@ def restore(
     ``criu lazy-pages`` daemon fills them on first touch and streams the rest
     in the background, then removes *owned_dir* (the staged images).
 
-    Images split for a fill (:mod:`sparkrun_coldsnap.drivers.page_fill`) are restored with
-    every page now: CRIU leaves the tree stopped, the fill writes the pages it took out, then
-    the tree is continued. Either way its processes get back the AMX tile permission CRIU
-    does not restore (:mod:`sparkrun_coldsnap.host.xstate_perm`) before this returns.
+    CRIU leaves the tree stopped: images split for a fill
+    (:mod:`sparkrun_coldsnap.drivers.page_fill`) get the pages it took out written then, and
+    every process asks again for the AMX tile permission CRIU does not restore
+    (:mod:`sparkrun_coldsnap.host.xstate_perm`) before any of it runs; then it is continued.
     *details* receives the timings.
     """
     filling = page_fill.fill_planned(images)
@@ -395,8 +395,9 @@ def restore(
         if lazy:
             daemon = _start_lazy_daemon(criu, images, owned_dir)
             args.append("--lazy-pages")
-        if filling:
-            args.append("--leave-stopped")
+        # Stopped on every path, with memory on demand too: no process may run before it has
+        # asked again for its AMX permission (a tile instruction without it is SIGILL).
+        args.append("--leave-stopped")
         progress("criu restore%s" % (" (memory on demand)" if lazy else ""))
         t, faults = time.monotonic(), major_faults.of_children()
         done = criu.run(args, timeout=1800, pass_fds=(log_fd,), what="criu restore")
@@ -427,31 +428,31 @@ def restore(
         raise RestoreError("criu restore of unit %s reported success but wrote no pidfile: %s" % (unit.name, err)) from err
     finally:
         pidfile.unlink(missing_ok=True)
-    if filling:
-        fill_and_continue(unit, images, root, progress=progress, details=details)
-    else:
-        # Running already (or stopped as dumped at a cut): before it is sent anything.
-        xstate_perm.give_back_tiles(root, unit_name=unit.name, details=details)
+    continue_restored(unit, images, root, filling=filling, progress=progress, details=details)
     return root, daemon is not None and owned_dir is not None
 
 
-def fill_and_continue(unit: UnitImage, images: Path, root_pid: int, *, progress: Progress, details: dict[str, Any] | None) -> None:
-    """Write the pages the split took out of *images* into the tree CRIU left stopped, give its
-    processes back their AMX tile permission, then let it run; a fill that fails ends the tree
-    (it would run with zeros for memory)."""
-    threads = max(1, settings.current().page_fill_threads)
-    progress("page fill of %.1f GB of memory, %d threads" % (page_fill.planned_bytes(images) / 1e9, threads))
+def continue_restored(unit: UnitImage, images: Path, root_pid: int, *, filling: bool, progress: Progress, details: dict[str, Any] | None) -> None:
+    """Finish the tree CRIU left stopped and let it run: write the pages the split took out of
+    *images* (with *filling*), give its processes back their AMX tile permission, continue it.
+    A fill that fails, or a process that does not stop, ends the tree (it would run with zeros
+    for memory, or before it could use the tiles)."""
     try:
-        report = page_fill.fill(images, root_pid, threads=threads)
+        if filling:
+            threads = max(1, settings.current().page_fill_threads)
+            progress("page fill of %.1f GB of memory, %d threads" % (page_fill.planned_bytes(images) / 1e9, threads))
+            report = page_fill.fill(images, root_pid, threads=threads)
+            log.debug("page fill wrote %d bytes into %d processes in %.3f s with %d threads", report.bytes, report.processes, report.seconds, report.threads)
+            if details is not None:
+                details["page_fill"] = report.to_json()
+        else:
+            page_fill.await_stopped(tree_pids(root_pid))
     except BaseException as err:
         kill_tree(root_pid, grace=0.0)
         if isinstance(err, (OSError, ValueError, KeyError)):
             raise RestoreError("the memory fill of unit %s failed: %s" % (unit.name, err)) from err
         raise
-    log.debug("page fill wrote %d bytes into %d processes in %.3f s with %d threads", report.bytes, report.processes, report.seconds, report.threads)
-    if details is not None:
-        details["page_fill"] = report.to_json()
-    # Every thread is in its stop now (the fill waited for it): none can reach a tile
+    # Every thread is in its stop now (both branches waited for it): none can reach a tile
     # instruction before its process has asked again.
     xstate_perm.give_back_tiles(root_pid, unit_name=unit.name, details=details)
     # A unit of a workload on several hosts was dumped stopped at the cut: it comes back

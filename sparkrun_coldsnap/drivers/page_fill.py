@@ -260,7 +260,7 @@ def await_stopped(pids: list[int], *, timeout: float = 5.0) -> None:
     for pid in pids:
         while not threads_stopped(pid):
             if time.monotonic() > deadline:
-                raise RestoreError("restored pid %d did not stop after criu restore --leave-stopped: its memory cannot be written while it runs" % pid)
+                raise RestoreError("restored pid %d did not stop within %.0f s of criu restore --leave-stopped" % (pid, timeout))
             time.sleep(0.001)
 
 
