@@ -49,6 +49,29 @@ def test_the_runc_wrapper_is_recognized_and_never_taken_for_the_distributions_cr
     assert "system" not in by_source  # the wrapper is not "the system criu"
 
 
+def test_locating_criu_asks_no_candidate_after_the_first_usable_one(tmp_path, path_with, use_settings):
+    use_settings(home=tmp_path / "home")  # no private CRIU there
+    asked = tmp_path / "asked"
+
+    def counting_criu(path: Path, version: str) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("#!/bin/sh\necho %s >> %s\necho 'Version: %s'\n" % (path.parent.name, asked, version))
+        path.chmod(0o755)
+        return path
+
+    old, system, later = (counting_criu(tmp_path / d / "criu", v) for d, v in (("old", "3.17.1"), ("system", "4.2.1"), ("later", "4.2.2")))
+    path_with(old.parent, system.parent, later.parent)
+
+    found = criu_tool.Criu.locate()
+    assert found.argv == (str(system),) and found.version == "4.2.1"
+    assert asked.read_text().split() == ["old", "system"]  # in PATH order, and nothing after the one used
+    asked.unlink()
+    assert [c.path for c in criu_tool.candidates()] == [str(old), str(system), str(later)]  # the full list still asks every one
+    path_with(old.parent)
+    with pytest.raises(criu_tool.ToolError, match=r"no usable CRIU >= 4.2 \(system: criu 3.17.1 is older than 4.2"):
+        criu_tool.Criu.locate()
+
+
 def test_the_files_of_every_criu_a_restore_may_run_are_found_without_running_one(tmp_path, path_with, use_settings):
     use_settings(home=tmp_path / "home")
     prefix = tmp_path / "home" / "criu"

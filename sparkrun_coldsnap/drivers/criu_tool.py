@@ -19,7 +19,7 @@ import platform
 import re
 import shlex
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,17 +146,24 @@ def probe_path(path: Path) -> CriuCandidate:
 def candidates() -> list[CriuCandidate]:
     """Every CRIU this host offers, each with why it can't be used: an override, the ones on
     PATH (a wrapper of a private CRIU last among them), then the private one."""
-    out = []
+    return list(_candidates())
+
+
+def _candidates() -> Iterator[CriuCandidate]:
+    """:func:`candidates` in order, each probed (``criu --version`` run) only when reached."""
     override = settings.current().criu
     if override:
-        out.append(_probe("COLDSNAP_CRIU", override))
-    found = [probe_path(p) for p in on_path()]
-    out += [c for c in found if c.source != "wrapper"]
+        yield _probe("COLDSNAP_CRIU", override)
+    found = on_path()
+    wrappers = [p for p in found if wrapped_argv(p) is not None]
+    for p in found:
+        if p not in wrappers:
+            yield probe_path(p)
     private = private_argv()
     if private:
-        out.append(_probe("private", private))
-    out += [c for c in found if c.source == "wrapper"]
-    return out
+        yield _probe("private", private)
+    for p in wrappers:
+        yield probe_path(p)
 
 
 def for_runc() -> CriuCandidate | None:
@@ -194,10 +201,13 @@ class Criu:
 
     @classmethod
     def locate(cls) -> Criu:
-        found = candidates()
-        for c in found:
+        # The first usable one ends the search: a restore locates CRIU on its clock, and each
+        # candidate probed is a ``criu --version`` run.
+        found = []
+        for c in _candidates():
             if c.usable:
                 return cls(c)
+            found.append(c)
         why = "; ".join("%s: %s" % (c.source, c.problem) for c in found) or "no criu on PATH and none installed privately"
         raise ToolError("no usable CRIU >= 4.2 (%s): run `sparkrun coldsnap setup --criu` or install criu 4.2+" % why)
 
