@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 from sparkrun_coldsnap import __version__, extensions
 from sparkrun_coldsnap.capsule.store import CapsuleStore
-from sparkrun_coldsnap.drivers import criu_tool
+from sparkrun_coldsnap.drivers import criu_kdat, criu_tool
 from sparkrun_coldsnap.host import disk_room, paths
 from sparkrun_coldsnap.host.facts import host_facts
 from sparkrun_coldsnap.host.iouring import SYSCTL
@@ -97,6 +97,7 @@ def _criu() -> list[Check]:
         Check("criu", "ok" if ok else "fail", "using %s, criu %s at %s (%s); criu check: %s" % (_SOURCE.get(criu.source, criu.source), criu.version, criu.candidate.path, why, line),
               "" if ok else "run as root on a kernel with checkpoint/restore support")
     )  # fmt: skip
+    out.append(Check("criu kernel record", "ok", criu_kdat.state(criu)))
     return out
 
 

@@ -72,7 +72,7 @@ def test_locating_criu_asks_no_candidate_after_the_first_usable_one(tmp_path, pa
         criu_tool.Criu.locate()
 
 
-def test_the_files_of_every_criu_a_restore_may_run_are_found_without_running_one(tmp_path, path_with, use_settings):
+def test_the_files_of_every_criu_a_restore_may_run_are_found_without_running_one(tmp_path, path_with, use_settings, monkeypatch):
     use_settings(home=tmp_path / "home")
     prefix = tmp_path / "home" / "criu"
     libdir = prefix / "usr" / "lib" / criu_tool._multiarch()
@@ -86,9 +86,14 @@ def test_the_files_of_every_criu_a_restore_may_run_are_found_without_running_one
     (libdir / "gconv").mkdir()
     system = fake_criu(tmp_path / "sbin" / "criu", "4.2.1")
     path_with(system.parent)
+    plugins = tmp_path / "lib-criu"
+    (plugins / "scripts").mkdir(parents=True)
+    (plugins / "cuda_plugin.so").write_bytes(b"\x7fELF")  # loaded by CRIU at every run
+    (plugins / "scripts" / "restart.sh").write_text("#!/bin/sh\n")  # not a plugin
+    monkeypatch.setattr(criu_tool, "PLUGIN_DIR", plugins)
 
     found = set(criu_tool.program_files())
-    assert found == {system.resolve(), private, *(libdir / n for n in (criu_tool._loader_name(), "libc.so.6", "libprotobuf-c.so.1.0.0"))}
+    assert found == {system.resolve(), private, plugins / "cuda_plugin.so", *(libdir / n for n in (criu_tool._loader_name(), "libc.so.6", "libprotobuf-c.so.1.0.0"))}
 
 
 def test_doctor_says_which_private_criu_the_wrapper_runs_and_whose(tmp_path, path_with, use_settings):

@@ -129,6 +129,8 @@ def test_sparkrun_run_restores_status_shows_stop_stops(captured, sparkrun, tmp_p
     assert r["state"] == "succeeded" and r["validation"]["passed"] and r["validation"]["ttft_seconds"] > 0
     assert r["capsule"] == receipt["capsule"]
     tiles_given_back(r["details"])
+    # Preparation made sure CRIU would not probe the kernel on the restore's clock.
+    assert r["details"]["restore_tools"].get("record") in ("kept by CRIU", "kept", "made"), r["details"]
     sparkrun("stop", str(recipe), "-H", "localhost")
     wait_gone()
     # Restoring twice from the same capsule works (sparkrun coldsnap restore insists on the capsule).

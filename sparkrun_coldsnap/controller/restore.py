@@ -95,6 +95,9 @@ def open_and_admit(
         held = held_by_replaced(cap, r, problems, replacing)
         if held:
             rb.details["held_by_replaced_workload"] = list(held)
+        tools = r.driver.ready_tools()
+        if tools is not None:
+            rb.details["restore_tools"] = tools
     return cap, r, choice, held
 
 

@@ -176,6 +176,12 @@ class SnapshotDriver(ABC):
         into the page cache with the tree's files."""
         return ()
 
+    def ready_tools(self) -> dict[str, Any] | None:
+        """Make the restore's own tools ready to run without first probing the host, off the
+        clock and before preparation's large reads start; what was found or done (receipt),
+        None where there is nothing to do. Never raises."""
+        return None
+
     def warm_up(self, unit: UnitImage) -> Any:
         """Start, during preparation, what a restore of *unit* will need and that does not
         touch the running workload (the n610 driver's CUDA helper); handed to ``restore``

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sparkrun_coldsnap.drivers import criu_tool, image_contents, zero_pages
+from sparkrun_coldsnap.drivers import criu_kdat, criu_tool, image_contents, zero_pages
 from sparkrun_coldsnap.drivers.base import SnapshotDriver
 from sparkrun_coldsnap.drivers.criu_tool import Criu
 
@@ -18,6 +18,11 @@ class CriuDriver(SnapshotDriver):
 
     def program_files(self) -> tuple[Path, ...]:
         return criu_tool.program_files()
+
+    def ready_tools(self) -> dict[str, Any] | None:
+        # Without its record of the kernel's features CRIU probes the kernel on every run,
+        # running iptables among others: beside the weights' reads those wait for the disk.
+        return criu_kdat.ensure(Criu.locate())
 
     def compact_images(self, images: Path) -> dict[str, Any] | None:
         # Zero pages of private memory come back as zeros without being in the images:

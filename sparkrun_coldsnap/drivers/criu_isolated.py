@@ -65,6 +65,7 @@ def restore(
     """
     filling = page_fill.fill_planned(images)
     lazy = not filling and criu_tree.lazy_pages_supported(criu)
+    # Not in memory staging: the keeper mounts a /dev/shm of the workload's own over the host's.
     pidfile = paths.run_dir() / ("restore-%d-%s.pid" % (os.getpid(), unit.name))
     pidfile.parent.mkdir(parents=True, exist_ok=True)
     pidfile.unlink(missing_ok=True)

@@ -33,6 +33,9 @@ MIN_VERSION = (4, 2)
 WRAPPER = Path("/usr/local/sbin/criu")
 WRAPPER_MARK = "# CRIU 4.2 from the private prefix, for runc."
 DPKG_LIST = Path("/var/lib/dpkg/info/criu.list")
+#: where CRIU looks for its plugins: compiled in (``/usr/lib/criu`` for every build here), the
+#: host's folder even for the private prefix's CRIU
+PLUGIN_DIR = Path("/usr/lib/criu")
 _VERSION_RE = re.compile(r"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?")
 
 
@@ -172,11 +175,22 @@ def for_runc() -> CriuCandidate | None:
     return probe_path(found[0]) if found else None
 
 
+def plugin_files() -> tuple[Path, ...]:
+    """The plugins CRIU loads (``*.so`` in :data:`PLUGIN_DIR`). Listing the folder here also
+    brings its entries into memory: CRIU lists it at every run, and on a node with nothing
+    prepared that lookup waited behind the weights' reads."""
+    try:
+        return tuple(sorted(p.resolve() for p in PLUGIN_DIR.iterdir() if p.name.endswith(".so") and p.is_file()))
+    except OSError:
+        return ()
+
+
 def program_files() -> tuple[Path, ...]:
     """The files of every CRIU a restore may run, found without running one: the override's
-    and PATH's programs, and the private prefix's loader, program and libraries (its own libc
-    among them, which no host process has in memory). Read during preparation, they keep
-    ``criu restore`` from faulting its code in page by page from a disk busy with the weights."""
+    and PATH's programs, the private prefix's loader, program and libraries (its own libc
+    among them, which no host process has in memory), and the plugins CRIU loads. Read during
+    preparation, they keep ``criu restore`` from faulting its code in page by page from a disk
+    busy with the weights."""
     argvs = [tuple(settings.current().criu or ())] + [wrapped_argv(p) or (str(p),) for p in on_path()] + [private_argv() or ()]
     out: list[Path] = []
     for argv in argvs:
@@ -187,7 +201,7 @@ def program_files() -> tuple[Path, ...]:
                 out += sorted(f for f in path.iterdir() if f.is_file() and not f.is_symlink())
             elif path.is_absolute() and path.is_file():
                 out.append(path.resolve())
-    return tuple(dict.fromkeys(out))
+    return tuple(dict.fromkeys(out + list(plugin_files())))
 
 
 class Criu:

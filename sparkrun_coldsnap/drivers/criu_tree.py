@@ -374,10 +374,7 @@ def restore(
     """
     filling = page_fill.fill_planned(images)
     lazy = lazy and not filling  # the fill writes every page before the tree runs
-    # Not among the images: with memory on demand the daemon removes those as soon as the
-    # last page is delivered, which for a small tree can come before the pidfile is read.
-    pidfile = paths.run_dir() / ("restore-%d-%s.pid" % (os.getpid(), unit.name))
-    pidfile.parent.mkdir(parents=True, exist_ok=True)
+    pidfile = paths.restore_pidfile(unit.name)
     pidfile.unlink(missing_ok=True)
     if not unit.pid_namespace:
         await_pids_free(unit.pids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import platform
 import shutil
+from pathlib import Path
 
 from pydantic import Field
 
@@ -34,6 +35,11 @@ class GpuInfo(Strict):
     compute_capability: str
     memory_mib: int | None = None
     uuid: str | None = Field(None, description="Recorded, not compared: another GPU of the same model is allowed.")
+
+
+def boot_id() -> str:
+    """This boot of the kernel: what is kept across reboots but true only for one is marked with it."""
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
 
 
 def cpu_features(cpuinfo: str | None = None) -> tuple[str, ...]:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from sparkrun_coldsnap.errors import CaptureError
 from sparkrun_coldsnap.host import paths
+from sparkrun_coldsnap.host.facts import boot_id
 from sparkrun_coldsnap.host.process_tree import start_ticks
 
 SYSCTL = Path("/proc/sys/kernel/io_uring_disabled")
@@ -65,7 +66,7 @@ def coordinator() -> dict[str, str | int]:
     """Who asks for a hold: this process, with what tells whether a host can see it (its
     kernel's boot and its process namespace) and its start, so a reused pid is not it."""
     pid = os.getpid()
-    return {"boot_id": _boot_id(), "pid_namespace": _pid_namespace(), "pid": pid, "start_ticks": start_ticks(pid)}
+    return {"boot_id": boot_id(), "pid_namespace": _pid_namespace(), "pid": pid, "start_ticks": start_ticks(pid)}
 
 
 def hold_off(token: str, by: dict[str, str | int] | None = None) -> str | None:
@@ -182,16 +183,12 @@ def _coordinator_alive(by: dict) -> bool:
     """False only where the coordinator ran under this kernel and in this process namespace
     and is gone (killed outright, its let-go never sent); elsewhere it cannot be seen from
     here, and the hold's time bounds it."""
-    if by.get("boot_id") != _boot_id() or by.get("pid_namespace") != _pid_namespace():
+    if by.get("boot_id") != boot_id() or by.get("pid_namespace") != _pid_namespace():
         return True
     try:
         return start_ticks(int(by["pid"])) == int(by["start_ticks"])
     except (OSError, ValueError, KeyError, TypeError):
         return False
-
-
-def _boot_id() -> str:
-    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
 
 
 def _pid_namespace() -> str:

@@ -7,6 +7,7 @@ environments, the run state and the capsule store.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -70,6 +71,18 @@ def memory_staging(needed_bytes: int) -> Path | None:
 
 
 MEMORY_STAGING = "coldsnap-staging"
+
+
+def restore_pidfile(unit_name: str) -> Path:
+    """Where ``criu restore`` writes the PID of the tree it restored: in memory where the host
+    has a memory staging folder (on a node with nothing prepared the disk is busy with the
+    weights' reads, and a new file there waited for them), else in the run folder. Not among
+    the images: memory on demand removes those as soon as the last page is delivered, which
+    for a small tree can come before the file is read."""
+    root = current().memory_staging
+    folder = root if root is not None and root.is_dir() and os.access(root, os.W_OK) else run_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / ("coldsnap-restore-%d-%s.pid" % (os.getpid(), unit_name))
 
 
 def new_memory_staging(memory: Path, prefix: str) -> Path:

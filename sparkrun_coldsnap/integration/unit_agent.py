@@ -120,6 +120,8 @@ def admit(doc: dict[str, Any]) -> dict[str, Any]:
     # addresses): the captured PIDs and shared files must be free here.
     problems += [p for p in criu_tree.restore_problems(unit, replacing=replacing) if p not in problems]
     answer: dict[str, Any] = {"problems": problems}
+    if not problems:
+        answer["restore_tools"] = r.driver.ready_tools()
     if choice is not None:
         answer["weights"] = {"path": choice.path, "native_dir": str(choice.native_dir) if choice.native_dir else None, "note": choice.note}
     return answer
