@@ -42,6 +42,16 @@ def synthetic_workload(name: str = "synthetic") -> Workload:
     )
 
 
+# fmt: off
+#: the host a made capsule says it was captured on
+FINGERPRINT = Fingerprint(
+    cpu_arch="x86_64", cpu_features=(), kernel_release="6.18", criu_version="4.2.1", nvidia_driver=None, cuda_version=None, gpus=(),
+    engine="vllm", engine_version="0.32.0", python_version="3.11.7", torch_version="2.13.0", image_digest=None, engine_env_digest=None,
+    model_revision=REVISION, topology=TopologyFacts(hosts=1, units=1, tensor_parallel=1, pipeline_parallel=1),
+)
+# fmt: on
+
+
 def make_capsule(
     store: CapsuleStore, tmp: Path, name: str = "synthetic", *, tag: str = "latest", pages_mb: int = 6, model_dir: Path | None = None,
     native: NativePayload | None = None,
@@ -63,23 +73,7 @@ def make_capsule(
         created=capsule_mod.now_iso(),
         request_sha256="sha256:" + "0" * 64,
         workload=workload,
-        fingerprint=Fingerprint(
-            cpu_arch="x86_64",
-            cpu_features=(),
-            kernel_release="6.18",
-            criu_version="4.2.1",
-            nvidia_driver=None,
-            cuda_version=None,
-            gpus=(),
-            engine="vllm",
-            engine_version="0.32.0",
-            python_version="3.11.7",
-            torch_version="2.13.0",
-            image_digest=None,
-            engine_env_digest=None,
-            model_revision=REVISION,
-            topology=TopologyFacts(hosts=1, units=1, tensor_parallel=1, pipeline_parallel=1),
-        ),  # fmt: skip
+        fingerprint=FINGERPRINT,
         engine=EngineRecord(name="vllm", version="0.32.0"),
         driver="cpu",
         validation=CapturedValidation(prompt="hi", max_tokens=4, reply="hello"),
