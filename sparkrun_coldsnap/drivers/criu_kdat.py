@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkrun_coldsnap.drivers.criu_tool import Criu
+from sparkrun_coldsnap.errors import ColdsnapError
 from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.host.facts import boot_id
 from sparkrun_coldsnap.host.runner import run
@@ -55,7 +56,7 @@ def ensure(criu: Criu) -> dict[str, Any]:
         if not on_tmpfs(RUN):
             NOTE.parent.mkdir(parents=True, exist_ok=True)
             NOTE.write_text(json.dumps(made_by))
-    except (OSError, RuntimeError) as err:
+    except (OSError, RuntimeError, ColdsnapError) as err:  # a timeout of criu check among them
         return {"skipped": "CRIU's record of the kernel's features could not be made: %s" % err}
     return {"record": "made", "seconds": round(time.monotonic() - t, 4)}
 
