@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 from sparkrun_coldsnap.drivers import criu_kdat, criu_tool, criu_tree, page_fill  # noqa: E402
 from sparkrun_coldsnap.drivers.criu_tool import Criu  # noqa: E402
 from sparkrun_coldsnap.host.iouring import io_uring_disabled  # noqa: E402
-from sparkrun_coldsnap.host.process_tree import kill_tree, tree_pids  # noqa: E402
+from sparkrun_coldsnap.host.process_tree import kill_tree, mapped_paths, tree_pids  # noqa: E402
 from sparkrun_coldsnap.launch.engine_env import EngineEnv  # noqa: E402
 from sparkrun_coldsnap.weights.page_cache import drop, read_ahead  # noqa: E402
 
@@ -120,15 +120,8 @@ def start_engine(req: dict, log: Path) -> subprocess.Popen:
 
 def mapped_files(root_pid: int) -> list[Path]:
     """Regular files the tree maps: what preparation reads back into the page cache."""
-    out: set[Path] = set()
-    for pid in tree_pids(root_pid):
-        for line in Path("/proc/%d/maps" % pid).read_text().splitlines():
-            parts = line.split(None, 5)
-            if len(parts) == 6 and parts[5].startswith("/") and not parts[5].startswith(("/dev/", "/proc/", "/sys/", "/memfd:")):
-                p = Path(parts[5].split(" (deleted)")[0])
-                if p.is_file():
-                    out.add(p)
-    return sorted(out)
+    out = {Path(p.split(" (deleted)")[0]) for pid in tree_pids(root_pid) for p in mapped_paths(pid)}
+    return sorted(p for p in out if not str(p).startswith(("/dev/", "/proc/", "/sys/")) and p.is_file())
 
 
 def make_file(path: Path, gib: int) -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkrun_coldsnap.drivers.criu_tool import Criu
+from sparkrun_coldsnap.drivers.page_fill import on_tmpfs
 from sparkrun_coldsnap.errors import ColdsnapError
 from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.host.facts import boot_id
@@ -68,23 +69,6 @@ def state(criu: Criu) -> str:
     if KDAT.is_file() and _note() == {"boot_id": boot_id(), "criu": list(criu.argv), "version": criu.version}:
         return "/run is not a tmpfs: the plugin keeps CRIU's record of the kernel's features at %s (made this boot, by this CRIU)" % KDAT
     return "/run is not a tmpfs, so CRIU probes the kernel at every run (running iptables among others); a restore's preparation makes %s for it" % KDAT
-
-
-def on_tmpfs(path: Path) -> bool:
-    """Whether *path* is on a tmpfs: the file system of the last mount over its longest
-    mount point in ``/proc/self/mountinfo``."""
-    best, kind = "", ""
-    target = os.path.realpath(path)
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return False
-    for line in lines:
-        left, _, right = line.partition(" - ")
-        mount_point = left.split()[4].replace("\\040", " ")
-        if (target == mount_point or target.startswith(mount_point.rstrip("/") + "/")) and len(mount_point) >= len(best):
-            best, kind = mount_point, right.split()[0]
-    return kind == "tmpfs"
 
 
 def _note() -> dict[str, Any] | None:

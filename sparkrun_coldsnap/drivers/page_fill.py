@@ -321,7 +321,8 @@ def spent(images: Path) -> bool:
     return (images / SPENT).exists()
 
 
-def _on_tmpfs(path: Path) -> bool:
+def on_tmpfs(path: Path) -> bool:
+    """Whether *path* is on a tmpfs (statfs's file system type)."""
     st = _Statfs()
     return _libc.statfs(os.fsencode(path), ctypes.byref(st)) == 0 and st.f_type == _TMPFS_MAGIC
 
@@ -335,7 +336,7 @@ def _give_back_as_written(images: Path, data: Path) -> int | None:
     (free page reporting) otherwise faults each fresh page in through the hypervisor, several
     times slower. Only a file with no other link (a hard-linked copy of a pristine dump stays
     whole) and only once *images* are marked spent (they restore nothing after this)."""
-    if not _on_tmpfs(data) or data.stat().st_nlink != 1:
+    if not on_tmpfs(data) or data.stat().st_nlink != 1:
         return None
     (images / SPENT).write_text("the memory fill gave these pages back: stage the images again\n")
     return os.open(data, os.O_RDWR | os.O_CLOEXEC)
