@@ -41,6 +41,32 @@ def test_the_ranges_a_process_touched_are_recorded_and_the_rest_is_not(tmp_path)
     assert recorded.resident == tuple(ranges)
 
 
+# A process that maps a 16 MiB file privately and writes one byte at 5 MiB: that page becomes
+# its private copy, which CRIU dumps and whose restore reads the file's page first.
+COPY = """
+import mmap, sys, time
+with open(sys.argv[1], "rb") as f:
+    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    m[5 << 20] = 7
+    print("ready", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_private_copy_of_a_file_page_is_recorded_with_the_file(tmp_path):
+    data = tmp_path / "lib.so"
+    data.write_bytes(b"\1" * (16 * MIB))
+    child = subprocess.Popen([sys.executable, "-c", COPY, str(data)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        ranges = resident_pages.resident_ranges([child.pid])[str(data)]
+    finally:
+        child.kill()
+        child.wait()
+    assert any(a <= 5 * MIB < a + n for a, n in ranges), ranges
+    assert sum(n for _, n in ranges) <= 4 * MIB and not any(a <= 12 * MIB < a + n for a, n in ranges), ranges
+
+
 def test_many_ranges_are_joined_into_few():
     ranges = [(i * 3 * MIB, 4096) for i in range(1000)]
     joined = resident_pages.join(ranges, gap=4096, most=100)
