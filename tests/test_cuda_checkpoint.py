@@ -65,6 +65,9 @@ class FakeCheckpointApi:
     def uuids(self):
         return ["GPU-00000000-0000-0000-0000-000000000001"]
 
+    def files(self):
+        return []
+
 
 PIDS = [101, 102, 103]
 

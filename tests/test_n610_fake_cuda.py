@@ -12,6 +12,7 @@ rules the fake enforces are in its docstring; each test below breaks one of them
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -77,6 +78,10 @@ def test_a_cuda_tree_is_checkpointed_dumped_and_restored_through_the_helper(tmp_
     assert image.driver_data["gpu_uuids"] == [gpus[0]["uuid"]]  # the one its CUDA_VISIBLE_DEVICES shows
     assert image.driver_data["host_gpu_uuids"] == [g["uuid"] for g in gpus]  # read back through CUuuid's bytes
     assert [record(p)["state"] for p in cuda_pids] == ["checkpointed"] * 2
+    # what the helper loaded (its interpreter, here the fake bindings) is read before a restore
+    helper_files = image.driver_data["helper_files"]
+    assert any(f.endswith("/cuda/bindings/driver.py") for f in helper_files) and os.path.realpath(sys.executable) in helper_files, helper_files
+    assert {Path(f) for f in helper_files} <= set(N610Driver().program_files([image]))
     pid = restore(tmp_path, image)
     try:
         assert [record(p)["state"] for p in cuda_pids] == ["running"] * 2

@@ -135,7 +135,7 @@ def prepare_restore(
                 page_cache.cache_capsule_layers([store.blob_path(d.digest) for d in cap.layers], rb, progress)
             progress.step("reading the files the workload maps alongside")
             files_read = in_background(
-                page_cache.cache_tree_files, cap.config.units, rb, QUIET, enabled=settings.files_cache, programs=r.driver.program_files(), queued=files_queued.reach,
+                page_cache.cache_tree_files, cap.config.units, rb, QUIET, enabled=settings.files_cache, programs=r.driver.program_files(cap.config.units), queued=files_queued.reach,
             )  # fmt: skip
             files_queued.by_end_of(files_read)
         # The payload is copied into memory on a thread of its own, once the files' reads are
@@ -158,7 +158,7 @@ def prepare_restore(
         if files_read is not None:
             files_read.result()
         else:
-            page_cache.cache_tree_files(cap.config.units, rb, progress, enabled=settings.files_cache, background=background, programs=r.driver.program_files())
+            page_cache.cache_tree_files(cap.config.units, rb, progress, enabled=settings.files_cache, background=background, programs=r.driver.program_files(cap.config.units))
         if job is not None and background:
             # A node with nothing prepared: the restore goes ahead while the copy goes on;
             # hydration follows it (fill marks), or waits for it (phase hydrate.wait).

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -67,7 +67,8 @@ class UnitImage(Strict):
         default_factory=dict,
         description=(
             "What the driver needs to restore the unit; n610: cuda_pids, gpu_uuids (the GPUs the workload used), host_gpu_uuids (every GPU of the capture host), "
-            "driver_version; a unit of a workload on several hosts: peer_connections (it holds connections to other hosts' units), peer_tcp (those connections: local address, port, peer address, port), native_files (the files of the "
+            "driver_version, helper_files (the files the CUDA checkpoint helper loaded, read before a restore); "
+            "a unit of a workload on several hosts: peer_connections (it holds connections to other hosts' units), peer_tcp (those connections: local address, port, peer address, port), native_files (the files of the "
             "native weight payload its host holds)."
         ),
     )
@@ -171,9 +172,9 @@ class SnapshotDriver(ABC):
         when sparkrun stops that workload, after staging and before the restore, so it is no
         problem."""
 
-    def program_files(self) -> tuple[Path, ...]:
-        """Files of the programs a restore runs (not the tree's own): preparation reads them
-        into the page cache with the tree's files."""
+    def program_files(self, units: Sequence[UnitImage] = ()) -> tuple[Path, ...]:
+        """Files of the programs a restore of *units* runs (not the trees' own): preparation
+        reads them into the page cache with the trees' files, before the weights' copy."""
         return ()
 
     def ready_tools(self) -> dict[str, Any] | None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from sparkrun_coldsnap.drivers import criu_kdat, criu_tool, image_contents, zero_pages
-from sparkrun_coldsnap.drivers.base import SnapshotDriver
+from sparkrun_coldsnap.drivers.base import SnapshotDriver, UnitImage
 from sparkrun_coldsnap.drivers.criu_tool import Criu
 
 
@@ -16,7 +17,7 @@ class CriuDriver(SnapshotDriver):
     def checkpoint_tool_version(self) -> str | None:
         return Criu.locate().version
 
-    def program_files(self) -> tuple[Path, ...]:
+    def program_files(self, units: Sequence[UnitImage] = ()) -> tuple[Path, ...]:
         return criu_tool.program_files()
 
     def ready_tools(self) -> dict[str, Any] | None:

@@ -13,6 +13,7 @@ runs in a Python with ``cuda-bindings``.
 from __future__ import annotations
 
 import json
+import os
 import select
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import psutil
 
 from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.errors import CaptureError, RestoreError, ToolError
-from sparkrun_coldsnap.host.process_tree import fd_targets
+from sparkrun_coldsnap.host.process_tree import fd_targets, mapped_paths
 
 HELPER = Path(__file__).with_name("cuda_helper.py")
 LOCK_TIMEOUT_MS = 30_000
@@ -43,6 +44,10 @@ class CheckpointApi(Protocol):
     def restore(self, pid: int, pairs: Sequence[tuple[str, str]]) -> None: ...
     def unlock(self, pid: int) -> None: ...
     def uuids(self) -> list[str]: ...
+
+    def files(self) -> list[str]:
+        """The files the helper has loaded (its modules and libraries, CUDA's among them)."""
+        ...
 
     def restore_many(self, pids: Sequence[int], pairs: Sequence[tuple[str, str]], *, parallel: bool) -> dict[int, float]:
         """Restore every process, then unlock every one (each step on all of them at once when
@@ -149,6 +154,12 @@ class HelperProcess:
 
     def uuids(self) -> list[str]:
         return list(self._call({"op": "uuids"})["uuids"])
+
+    def files(self) -> list[str]:
+        # Its modules as it names them, and what it maps (the interpreter, the bindings' and
+        # CUDA's libraries) as this side reads it: the files a restore should find in memory.
+        found = set(self._call({"op": "modules"})["files"]) | mapped_paths(self.proc.pid)
+        return sorted({os.path.realpath(f) for f in found if os.path.isfile(f)})
 
     def restore_many(self, pids: Sequence[int], pairs: Sequence[tuple[str, str]], *, parallel: bool) -> dict[int, float]:
         answer = self._call({"op": "restore_many", "pids": list(pids), "pairs": [list(p) for p in pairs], "parallel": parallel})

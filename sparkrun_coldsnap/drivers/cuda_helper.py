@@ -85,6 +85,17 @@ class Helper:
         (version,) = _check(self.d.cuDriverGetVersion())
         return {"driver": int(version)}
 
+    def modules(self, msg):
+        """The files of the modules this helper has loaded: the compiled ones it read, and their
+        sources, which the import system looks at. (What it maps, the controller reads itself.)"""
+        found = set()
+        for module in list(sys.modules.values()):
+            for attr in ("__file__", "__cached__"):
+                path = getattr(module, attr, None)
+                if isinstance(path, str):
+                    found.add(path)
+        return {"files": sorted(found)}
+
     def uuids(self, msg):
         (count,) = _check(self.d.cuDeviceGetCount())
         out = []

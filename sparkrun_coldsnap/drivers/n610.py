@@ -14,7 +14,7 @@ holding one.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -80,10 +80,20 @@ class N610Driver(CriuDriver):
             # every one back to running, so the workload stays as it was.
             dump = lambda: criu_tree.dump(Criu.locate(), root_pid, images, unit=unit, host=host, driver=self.name, progress=progress)  # noqa: E731
             image = gpu_ranks.capture(api, cuda, dump)
+            helper_files = api.files()
         finally:
             api.close()
-        data: dict[str, Any] = {"cuda_pids": cuda, "gpu_uuids": uuids, "host_gpu_uuids": every, "driver_version": api.driver_version}
+        data: dict[str, Any] = {
+            "cuda_pids": cuda, "gpu_uuids": uuids, "host_gpu_uuids": every, "driver_version": api.driver_version, "helper_files": helper_files,
+        }  # fmt: skip
         return image.model_copy(update={"driver_data": data})
+
+    def program_files(self, units: Sequence[UnitImage] = ()) -> tuple[Path, ...]:
+        # The CUDA helper starts as preparation ends; on a node with nothing prepared its imports
+        # and CUDA's libraries came from a disk busy with the weights' copy (3.9 s for an 8B
+        # vLLM), so the files it loaded at capture are read with CRIU's.
+        helper = [Path(f) for u in units for f in u.driver_data.get("helper_files", ())]
+        return (*super().program_files(units), *helper)
 
     def admission(self, unit: UnitImage, *, replacing: frozenset[int] = frozenset()) -> list[str]:
         if _lazy_wanted():
