@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import tarfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -230,3 +232,31 @@ def test_the_memory_staging_folder_goes_with_its_last_directory(tmp_path):
     paths.remove_staging(second)
     assert not memory.exists()
     assert paths.new_memory_staging(memory, "restore-").parent == memory  # made again when needed
+
+
+def test_two_threads_of_one_process_take_the_store_lock_in_turn(tmp_path):
+    store = CapsuleStore(tmp_path / "store").init()
+    inside: list[tuple[str, float, float]] = []
+    errors: list[BaseException] = []
+    first_in = threading.Event()
+
+    def hold(name: str) -> None:
+        try:
+            if name == "second":
+                first_in.wait(10)  # the other thread holds the lock by now
+            with store.locked(), store.locked():  # reentrant within one thread
+                start = time.monotonic()
+                first_in.set()
+                time.sleep(0.3)
+                inside.append((name, start, time.monotonic()))
+        except BaseException as err:  # noqa: BLE001 - reported by the assertion below
+            errors.append(err)
+
+    threads = [threading.Thread(target=hold, args=(n,)) for n in ("first", "second")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not errors and len(inside) == 2, errors
+    (_, _, first_left), (_, second_entered, _) = sorted(inside, key=lambda r: r[1])
+    assert first_left <= second_entered, inside  # the second entered only once the first had left

@@ -17,6 +17,7 @@ import fcntl
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +32,16 @@ from sparkrun_coldsnap.host.atomic import explain_os_error, fsync_dir, owned_pre
 LAYOUT_VERSION = {"imageLayoutVersion": "1.0.0"}
 # Capsules hold process memory (prompts, keys a process held): read-only, and not for other users.
 BLOB_MODE = 0o440
-# Stores whose lock this process holds, with how deep: flock locks are per open file, so a
-# second open of .lock by the same process would wait for itself.
-_HELD: dict[str, int] = {}
+# Stores whose lock this thread holds, with how deep: flock locks are per open file, so a
+# second open of .lock by the same thread would wait for itself. Per thread, not per process:
+# another thread of the process (two captures at once) opens the file again and waits its turn.
+_HELD = threading.local()
+
+
+def _held() -> dict[str, int]:
+    if not hasattr(_HELD, "depth"):
+        _HELD.depth = {}
+    return _HELD.depth
 
 
 @dataclass(frozen=True)
@@ -188,13 +196,13 @@ class CapsuleStore:
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
         """Serialize changes to the index and ``blobs/`` across processes (reentrant in one)."""
-        key = os.path.realpath(self.root)
-        if _HELD.get(key):
-            _HELD[key] += 1
+        key, held = os.path.realpath(self.root), _held()
+        if held.get(key):
+            held[key] += 1
             try:
                 yield
             finally:
-                _HELD[key] -= 1
+                held[key] -= 1
             return
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -203,10 +211,10 @@ class CapsuleStore:
             raise StoreError(explain_os_error(err, self.root)) from err
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            _HELD[key] = 1
+            held[key] = 1
             yield
         finally:
-            _HELD.pop(key, None)
+            held.pop(key, None)
             os.close(fd)
 
     # -- blobs ----------------------------------------------------------
