@@ -85,10 +85,10 @@ def sample(stop: threading.Event, every: float, counts: collections.Counter, tim
     while not stop.is_set():
         now = time.monotonic() - t0
         for pid, tid, comm, state in busy_tasks(own):
-            key = "%s [%s] %s" % (comm, state, stack_of(pid, tid))
-            counts[key] += 1
+            stack = stack_of(pid, tid)
+            counts["%s [%s] %s" % (comm, state, stack)] += 1
             if state == "D" or comm == "criu":
-                timeline.append((round(now, 3), pid, tid, comm, state, key.split("] ", 1)[1]))
+                timeline.append((round(now, 3), pid, tid, comm, state, stack))
                 cmdlines[pid] = cmdline_of(pid) or cmdlines.get(pid, "")  # the last one seen: a restored task ends as itself
         stop.wait(every)
 
@@ -154,8 +154,7 @@ def cmd_compare(args) -> None:
     summary: dict = {"every_seconds": {}, "vmstat_delta": {}, "blocked": {}}
     for label, path in runs.items():
         doc = json.loads(Path(path).read_text())
-        summary["every_seconds"][label] = doc.get("every", args.every)
-        doc.setdefault("every", args.every)
+        summary["every_seconds"][label] = doc.setdefault("every", args.every)
         summary["vmstat_delta"][label] = doc["vmstat_delta"]
         rows = []
         for r in blocked_by_task(doc):

@@ -32,16 +32,17 @@ from sparkrun_coldsnap.host.atomic import explain_os_error, fsync_dir, owned_pre
 LAYOUT_VERSION = {"imageLayoutVersion": "1.0.0"}
 # Capsules hold process memory (prompts, keys a process held): read-only, and not for other users.
 BLOB_MODE = 0o440
+
+
 # Stores whose lock this thread holds, with how deep: flock locks are per open file, so a
 # second open of .lock by the same thread would wait for itself. Per thread, not per process:
 # another thread of the process (two captures at once) opens the file again and waits its turn.
-_HELD = threading.local()
+class _Held(threading.local):
+    def __init__(self) -> None:
+        self.depth: dict[str, int] = {}
 
 
-def _held() -> dict[str, int]:
-    if not hasattr(_HELD, "depth"):
-        _HELD.depth = {}
-    return _HELD.depth
+_HELD = _Held()
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,7 @@ class CapsuleStore:
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
         """Serialize changes to the index and ``blobs/`` across processes (reentrant in one)."""
-        key, held = os.path.realpath(self.root), _held()
+        key, held = os.path.realpath(self.root), _HELD.depth
         if held.get(key):
             held[key] += 1
             try:

@@ -90,7 +90,7 @@ class N610Driver(CriuDriver):
 
     def program_files(self, units: Sequence[UnitImage] = ()) -> tuple[Path, ...]:
         # The CUDA helper starts as preparation ends; on a node with nothing prepared its imports
-        # and CUDA's libraries came from a disk busy with the weights' copy (3.9 s for an 8B
+        # and CUDA's libraries came from a disk busy with the weights' copy (2 s for an 8B
         # vLLM), so the files it loaded at capture are read with CRIU's.
         helper = [Path(f) for u in units for f in u.driver_data.get("helper_files", ())]
         return (*super().program_files(units), *helper)

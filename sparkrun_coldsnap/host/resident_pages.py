@@ -9,7 +9,7 @@ the tree had mapped in (``/proc/PID/pagemap``), and preparation reads only those
 A page the tree wrote to in a private mapping of a file (a library's data, its relocated
 tables) is a private copy: CRIU dumps its contents, but restoring them writes into a fresh
 private mapping of the file, and the kernel first reads the file's page to copy it. So those
-pages count too: on an 8B vLLM beside the weights' copy, the restored engine waited 3.6 s
+pages count too: on an 8B vLLM beside the weights' copy, the restored engine waited 1.8 s
 for such reads of its libraries inside ``criu restore``.
 
 Nearby ranges are joined (a read of a small gap costs less than another request), and a file
