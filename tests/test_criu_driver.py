@@ -61,7 +61,7 @@ def captured_server(tmp_path: Path, port: int, driver: CpuDriver):
     return image
 
 
-def test_dump_then_restore_twice_from_the_same_images(tmp_path):
+def test_dump_then_restore_twice_from_the_same_images(criu, tmp_path):
     port = free_port()
     driver = CpuDriver()
     with io_uring_disabled():
@@ -144,7 +144,7 @@ def test_closing_connections_are_waited_out_then_named(tmp_path):
         listener.close()
 
 
-def test_a_connection_between_processes_of_the_tree_is_captured_and_restored(tmp_path):
+def test_a_connection_between_processes_of_the_tree_is_captured_and_restored(criu, tmp_path):
     """Both ends inside the tree: precheck allows it, the dump takes CRIU's established-TCP path,
     and the restored pair goes on talking over the same connection."""
     port = free_port()
@@ -169,7 +169,7 @@ def test_a_connection_between_processes_of_the_tree_is_captured_and_restored(tmp
         kill_tree(pid)
 
 
-def test_template_boundary_dump_resume_and_restore(tmp_path):
+def test_template_boundary_dump_resume_and_restore(criu, tmp_path):
     """The n580 mechanism, on a small server: pause after imports, dump, go on; restore, go on."""
     from sparkrun_coldsnap.drivers.n580 import N580Driver, template_command, wait_for_boundary
 
@@ -206,7 +206,7 @@ def host_pid_namespace_pid(pid: int) -> list[int]:
     raise AssertionError("no NSpid for %d" % pid)
 
 
-def test_one_capture_restores_twice_at_once_each_on_its_own_port(tmp_path):
+def test_one_capture_restores_twice_at_once_each_on_its_own_port(criu, tmp_path):
     port = free_port()
     driver = CpuDriver()
     image = captured_server(tmp_path, port, driver)

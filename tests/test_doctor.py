@@ -32,7 +32,7 @@ def path_with(tmp_path, monkeypatch):
     return use
 
 
-def test_the_runc_wrapper_is_recognized_and_never_taken_for_the_distributions_criu(tmp_path, path_with):
+def test_the_runc_wrapper_is_recognized_and_never_taken_for_the_distributions_criu(criu, tmp_path, path_with):
     private = fake_criu(tmp_path / "home" / "criu" / "usr" / "sbin" / "criu", "4.2.1")
     old = fake_criu(tmp_path / "usr-sbin" / "criu", "3.17.1")
     (tmp_path / "criu.list").write_text("%s\n" % old)
@@ -111,7 +111,7 @@ def test_doctor_says_which_private_criu_the_wrapper_runs_and_whose(tmp_path, pat
     assert checks["criu (distribution)"].detail.startswith("no criu package installed")
 
 
-def test_capabilities_has_a_row_per_launch_path_and_no_empty_weights_value(tmp_path):
+def test_capabilities_has_a_row_per_launch_path_and_no_empty_weights_value(criu, tmp_path):
     result = CliRunner().invoke(coldsnap_group, ["capabilities"], catch_exceptions=False)
     assert result.exit_code == 0
     lines = result.output.splitlines()

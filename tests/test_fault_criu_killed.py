@@ -24,7 +24,7 @@ from sparkrun_coldsnap.host.process_tree import kill_tree
 KILLER = Path(__file__).resolve().parent.parent / "scripts" / "faults" / "criu-killed.sh"
 
 
-def test_a_dump_killed_mid_way_names_the_signal_and_leaves_a_serving_tree_serving(tmp_path, monkeypatch):
+def test_a_dump_killed_mid_way_names_the_signal_and_leaves_a_serving_tree_serving(criu, tmp_path, monkeypatch):
     monkeypatch.setenv("COLDSNAP_CRIU", "sh %s dump" % KILLER)
     port = free_port()
     with io_uring_disabled():
@@ -86,7 +86,7 @@ def test_a_failure_after_launch_reports_the_engine_it_started_as_stopped_and_the
     assert receipt.details["workload_state"] == "stopped"
 
 
-def test_a_restore_killed_mid_way_leaves_no_process_and_a_retry_restores(tmp_path, monkeypatch):
+def test_a_restore_killed_mid_way_leaves_no_process_and_a_retry_restores(criu, tmp_path, monkeypatch):
     from sparkrun_coldsnap.documents import settings as settings_mod
     from sparkrun_coldsnap.errors import RestoreError
 

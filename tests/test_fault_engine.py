@@ -122,7 +122,7 @@ def gpu_host(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def captured(tmp_path_factory, gpu_host):
+def captured(criu, tmp_path_factory, gpu_host):
     tmp = tmp_path_factory.mktemp("fault-engine")
     port = free_port()
     store = CapsuleStore(tmp / "store")
@@ -132,7 +132,7 @@ def captured(tmp_path_factory, gpu_host):
     return store, port, out.receipt
 
 
-def test_the_engine_killed_while_capture_waits_for_it(tmp_path):
+def test_the_engine_killed_while_capture_waits_for_it(criu, tmp_path):
     port = free_port()
     store = CapsuleStore(tmp_path / "store")
     result: dict = {}
@@ -165,7 +165,7 @@ def test_the_engine_killed_while_capture_waits_for_it(tmp_path):
     wait_no_process(port)
 
 
-def test_a_capture_without_room_is_refused_before_the_dump_and_leaves_nothing(tmp_path):
+def test_a_capture_without_room_is_refused_before_the_dump_and_leaves_nothing(criu, tmp_path):
     """The store on a small tmpfs: the room check estimates the dump from the tree's memory
     and refuses before CRIU writes anything, naming the place, what it needs and the fix."""
     small = tmp_path / "small"
@@ -217,7 +217,7 @@ def test_a_missing_capsule_starts_the_engine_vanilla_unless_told_to_fail(tmp_pat
     assert store.entries() == [] if store.root.exists() else True
 
 
-def test_a_changed_or_missing_model_file_is_refused_at_admission_and_the_original_restores(tmp_path):
+def test_a_changed_or_missing_model_file_is_refused_at_admission_and_the_original_restores(criu, tmp_path):
     """On a GPU the capsule holds no weights: the restore reloads the model files it recorded, so
     preparation (before sparkrun stops the old workload) checks each against its digest. The
     model is a private copy: changing the shared cache would change every other test's."""
@@ -303,7 +303,7 @@ def test_a_recipe_changed_since_capture_is_refused_at_admission_and_a_place_only
     nothing_staged(store)
 
 
-def test_a_credential_in_the_engines_environment_reaches_no_config_receipt_or_registry_document(tmp_path):
+def test_a_credential_in_the_engines_environment_reaches_no_config_receipt_or_registry_document(criu, tmp_path):
     """A hub token in the workload's environment: the engine gets it, but the capsule's config
     and manifest, the receipt and what the registry holds besides the process images carry its
     sha256 only. (The images are the engine's memory, its environment included.)"""
@@ -387,7 +387,7 @@ def test_a_second_restore_while_the_first_serves_is_refused_and_the_first_serves
     wait_no_process(port)
 
 
-def test_two_captures_into_one_store_at_once_both_complete_and_leave_no_garbage(tmp_path):
+def test_two_captures_into_one_store_at_once_both_complete_and_leave_no_garbage(criu, tmp_path):
     store = CapsuleStore(tmp_path / "store")
     ports = [free_port(), free_port()]
     results: list = [None, None]

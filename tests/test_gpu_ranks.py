@@ -201,7 +201,7 @@ def allreduce(port: int) -> str:
     return requests.get("http://127.0.0.1:%d/allreduce" % port, timeout=30).text.strip()
 
 
-def test_two_ranks_on_two_gpus_are_captured_and_restored_with_their_ring(tmp_path, gpus, use_settings):
+def test_two_ranks_on_two_gpus_are_captured_and_restored_with_their_ring(criu, tmp_path, gpus, use_settings):
     port = free_port()
     image = n610_checkpoint(start_ranks(tmp_path, port), tmp_path / "images")
     cuda_pids = image.driver_data["cuda_pids"]
@@ -263,7 +263,7 @@ def two_rank_capture(port: int, env: dict[str, str] | None = None):
     return req.model_copy(update={"workload": w.model_copy(update={"topology": topology(tp=2), "launch": launch})})
 
 
-def test_a_capture_of_two_ranks_launches_them_checkpointable_and_its_receipt_says_how(tmp_path, gpus):
+def test_a_capture_of_two_ranks_launches_them_checkpointable_and_its_receipt_says_how(criu, tmp_path, gpus):
     from sparkrun_coldsnap import api
     from sparkrun_coldsnap.capsule.store import CapsuleStore
 
@@ -277,7 +277,7 @@ def test_a_capture_of_two_ranks_launches_them_checkpointable_and_its_receipt_say
     assert out.capsule is not None and out.capsule.config.workload.launch.command.endswith("--tp-size 2")  # the recipe's identity, unchanged
 
 
-def test_a_capture_whose_environment_turns_p2p_back_on_is_refused_before_anything_starts(tmp_path, gpus):
+def test_a_capture_whose_environment_turns_p2p_back_on_is_refused_before_anything_starts(criu, tmp_path, gpus):
     from test_fault_engine import fake_processes
 
     from sparkrun_coldsnap import api

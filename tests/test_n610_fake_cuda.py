@@ -70,7 +70,7 @@ def restore(tmp_path: Path, image, name: str = "restore.log") -> int:
     return driver.restore(image, tmp_path / "images", log_path=tmp_path / name, progress=lambda m: None).root_pid
 
 
-def test_a_cuda_tree_is_checkpointed_dumped_and_restored_through_the_helper(tmp_path, gpus):
+def test_a_cuda_tree_is_checkpointed_dumped_and_restored_through_the_helper(criu, tmp_path, gpus):
     port = free_port()
     image = capture(tmp_path, port)
     cuda_pids = image.driver_data["cuda_pids"]
@@ -91,7 +91,7 @@ def test_a_cuda_tree_is_checkpointed_dumped_and_restored_through_the_helper(tmp_
         kill_tree(pid)
 
 
-def test_images_split_during_preparation_come_back_filled_before_the_cuda_restore(tmp_path, gpus, use_settings):
+def test_images_split_during_preparation_come_back_filled_before_the_cuda_restore(criu, tmp_path, gpus, use_settings):
     port = free_port()
     image = capture(tmp_path, port)
     use_settings(page_fill_threads=2)
@@ -107,7 +107,7 @@ def test_images_split_during_preparation_come_back_filled_before_the_cuda_restor
         kill_tree(restored.root_pid)
 
 
-def test_restoring_onto_the_other_gpu_maps_every_gpu_of_the_capture_host(tmp_path, gpus, use_settings):
+def test_restoring_onto_the_other_gpu_maps_every_gpu_of_the_capture_host(criu, tmp_path, gpus, use_settings):
     port = free_port()
     image = capture(tmp_path, port)
     use_settings(cuda_visible_devices="1")
@@ -119,7 +119,7 @@ def test_restoring_onto_the_other_gpu_maps_every_gpu_of_the_capture_host(tmp_pat
         kill_tree(pid)
 
 
-def test_a_gpu_of_another_chip_is_refused_and_the_restored_tree_stopped(tmp_path, gpus, use_settings):
+def test_a_gpu_of_another_chip_is_refused_and_the_restored_tree_stopped(criu, tmp_path, gpus, use_settings):
     port = free_port()
     image = capture(tmp_path, port)
     listing = fake_gpu_state.root() / "gpus.json"
@@ -132,7 +132,7 @@ def test_a_gpu_of_another_chip_is_refused_and_the_restored_tree_stopped(tmp_path
     assert not [p for p in image.pids if alive(p)]  # the half-restored tree was stopped
 
 
-def test_a_gpu_gone_from_the_bus_fails_the_process_and_the_restore(tmp_path, gpus):
+def test_a_gpu_gone_from_the_bus_fails_the_process_and_the_restore(criu, tmp_path, gpus):
     port = free_port()
     image = capture(tmp_path, port)
     Path(gpus[0]["device"]).unlink()

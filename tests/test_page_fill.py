@@ -54,7 +54,7 @@ def alive(pids) -> list[int]:
 
 
 @pytest.mark.parametrize("zeros_left_out", [False, True], ids=["every-page-dumped", "zero-pages-left-out"])
-def test_the_big_areas_move_out_of_the_images_and_every_byte_comes_back(tmp_path, zeros_left_out):
+def test_the_big_areas_move_out_of_the_images_and_every_byte_comes_back(criu, tmp_path, zeros_left_out):
     images, image, port, before = dump_pattern(tmp_path, PAGES)
     if zeros_left_out:
         zero_pages.leave_out_zero_pages(images)
@@ -78,7 +78,7 @@ def test_the_big_areas_move_out_of_the_images_and_every_byte_comes_back(tmp_path
     assert measured["criu_restore_seconds"] > 0
 
 
-def test_a_big_area_is_written_in_chunks_by_several_threads_at_once(tmp_path, monkeypatch):
+def test_a_big_area_is_written_in_chunks_by_several_threads_at_once(criu, tmp_path, monkeypatch):
     pages = 16384  # 64 MiB in the parent and in the child
     images, image, port, before = dump_pattern(tmp_path, pages)
     report = page_fill.split_for_fill(images)
@@ -105,7 +105,7 @@ def test_a_big_area_is_written_in_chunks_by_several_threads_at_once(tmp_path, mo
 
 
 @pytest.mark.parametrize("failing", ["new-page-map", "index"])
-def test_a_split_that_fails_leaves_the_images_as_they_were(tmp_path, monkeypatch, failing):
+def test_a_split_that_fails_leaves_the_images_as_they_were(criu, tmp_path, monkeypatch, failing):
     images, image, port, before = dump_pattern(tmp_path, PAGES)
     untouched = contents(images)
     if failing == "new-page-map":
@@ -130,7 +130,7 @@ def _no_space():
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-def test_a_fill_that_fails_ends_the_restored_tree_and_says_where(tmp_path):
+def test_a_fill_that_fails_ends_the_restored_tree_and_says_where(criu, tmp_path):
     images, image, _, _ = dump_pattern(tmp_path, PAGES)
     page_fill.split_for_fill(images)
     index = page_fill.index_path(images, image.root_pid)
@@ -144,7 +144,7 @@ def test_a_fill_that_fails_ends_the_restored_tree_and_says_where(tmp_path):
     assert alive(image.pids) == []
 
 
-def test_the_n610_driver_splits_during_preparation_unless_told_not_to(tmp_path):
+def test_the_n610_driver_splits_during_preparation_unless_told_not_to(criu, tmp_path):
     images, image, port, before = dump_pattern(tmp_path, PAGES)
     kept = tmp_path / "kept"
     shutil.copytree(images, kept)
@@ -165,7 +165,7 @@ def test_the_n610_driver_splits_during_preparation_unless_told_not_to(tmp_path):
         kill_tree(pid)
 
 
-def test_a_unit_dumped_stopped_at_a_cut_across_hosts_is_filled_and_left_stopped(tmp_path):
+def test_a_unit_dumped_stopped_at_a_cut_across_hosts_is_filled_and_left_stopped(criu, tmp_path):
     """The coordinator continues every unit of such a workload at once, after every restore."""
     images, image, port, before = dump_pattern(tmp_path, PAGES)
     page_fill.split_for_fill(images)
@@ -177,7 +177,7 @@ def test_a_unit_dumped_stopped_at_a_cut_across_hosts_is_filled_and_left_stopped(
         kill_tree(pid)
 
 
-def test_a_tree_restored_in_namespaces_of_its_own_is_filled_from_the_host(tmp_path):
+def test_a_tree_restored_in_namespaces_of_its_own_is_filled_from_the_host(criu, tmp_path):
     """The cpu driver's restore: the fill finds each process by the PID the images name,
     its PID inside the namespace, not the host's."""
     images, image, port, before = dump_pattern(tmp_path, PAGES)
@@ -193,7 +193,7 @@ def test_a_tree_restored_in_namespaces_of_its_own_is_filled_from_the_host(tmp_pa
         kill_tree(restored.root_pid)
 
 
-def test_the_cpu_driver_splits_unless_the_fill_is_off_even_with_memory_on_demand(tmp_path, monkeypatch):
+def test_the_cpu_driver_splits_unless_the_fill_is_off_even_with_memory_on_demand(criu, tmp_path, monkeypatch):
     images, image, _, _ = dump_pattern(tmp_path, PAGES)
     kept = tmp_path / "kept"
     shutil.copytree(images, kept)
@@ -222,7 +222,7 @@ def test_the_floor_of_a_filled_restore_counts_the_memory_written_by_several_thre
 
 
 @pytest.mark.parametrize("linked", [False, True], ids=["own-copy", "hard-linked-copy"])
-def test_images_staged_on_a_tmpfs_give_their_pages_back_as_they_are_written(tmp_path, linked):
+def test_images_staged_on_a_tmpfs_give_their_pages_back_as_they_are_written(criu, tmp_path, linked):
     dumped, image, port, before = dump_pattern(tmp_path, 4096)  # 16 MiB in the parent and the child
     shm = Path("/dev/shm") / ("fill-test-%d" % os.getpid())
     shutil.rmtree(shm, ignore_errors=True)

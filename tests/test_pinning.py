@@ -66,7 +66,7 @@ def test_a_command_without_the_pinned_revision_is_named_with_the_fix(tmp_path):
     assert str(other) in (pinning.launch_problem(workload(by_dir % other, pinned), adapter) or "")
 
 
-def test_capture_refuses_an_unpinned_command_before_starting_anything(tmp_path):
+def test_capture_refuses_an_unpinned_command_before_starting_anything(criu, tmp_path):
     pinned, _ = hf_cache(tmp_path)
     req = CaptureRequest(
         workload=workload("python -m vllm.entrypoints.openai.api_server --model test/model --port 8000", pinned),

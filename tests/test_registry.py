@@ -27,7 +27,7 @@ CHUNK = 1 << 20
 
 
 @pytest.fixture
-def registry(tmp_path):
+def registry(oci_registry, tmp_path):
     r = Registry(tmp_path / "registry").start()
     yield r
     r.stop()
@@ -239,7 +239,7 @@ def docker_config(tmp_path, host, user, password):
     return d
 
 
-def test_basic_auth_from_docker_config(tmp_path, monkeypatch, use_settings):
+def test_basic_auth_from_docker_config(oci_registry, tmp_path, monkeypatch, use_settings):
     reg = Registry(tmp_path / "auth-registry", user="alice", password="s3cret-pass").start()
     try:
         local, other = stores(tmp_path)
@@ -263,7 +263,7 @@ def test_basic_auth_from_docker_config(tmp_path, monkeypatch, use_settings):
         reg.stop()
 
 
-def test_tls_with_a_self_signed_certificate(tmp_path):
+def test_tls_with_a_self_signed_certificate(oci_registry, tmp_path):
     reg = Registry(tmp_path / "tls-registry", tls=True).start()
     try:
         local, other = stores(tmp_path)

@@ -53,7 +53,7 @@ def test_an_error_quoting_a_secret_is_scrubbed_in_message_and_receipt():
     assert "[redacted]" in caught.value.receipt.error.message  # type: ignore[union-attr]
 
 
-def test_a_failed_capture_receipt_holds_no_secret(tmp_path):
+def test_a_failed_capture_receipt_holds_no_secret(criu, tmp_path):
     w = secret_workload()
     req = CaptureRequest(workload=w, validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="s"), ready_timeout_seconds=5)
     with pytest.raises(ColdsnapError) as caught:

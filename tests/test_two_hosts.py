@@ -99,7 +99,7 @@ def test_a_session_acts_only_on_its_cluster_hosts():
         hosts.run("198.18.0.3", ["true"])
 
 
-def test_teardown_leaves_no_namespace_link_process_or_key():
+def test_teardown_leaves_no_namespace_link_process_or_key(host_namespaces):
     hosts = TwoHosts()
     with hosts:
         head = hosts.hosts[0]
@@ -126,7 +126,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_what_a_killed_run_left_is_removed_by_the_next(tmp_path):
+def test_what_a_killed_run_left_is_removed_by_the_next(host_namespaces, tmp_path):
     script = tmp_path / "killed.py"
     script.write_text("import sys, time\nsys.path.insert(0, %r)\nfrom two_hosts import TwoHosts\nh = TwoHosts().__enter__()\nprint(h.tag, flush=True)\ntime.sleep(600)\n" % str(ROOT / "tests"))
     killed = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)

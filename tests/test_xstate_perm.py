@@ -321,7 +321,7 @@ def given_back(details: dict, processes: int = 2) -> None:
 
 @pytest.mark.parametrize("memory", ["filled", "on-demand", "copied"])
 @pytest.mark.parametrize("own_namespaces", [False, True], ids=["host-namespaces", "own-namespaces"])
-def test_every_restore_path_gives_the_processes_their_tiles_back_before_any_runs_and_they_run_on(tmp_path, monkeypatch, memory, own_namespaces):
+def test_every_restore_path_gives_the_processes_their_tiles_back_before_any_runs_and_they_run_on(criu, tmp_path, monkeypatch, memory, own_namespaces):
     """Filled, on demand or copied by CRIU: CRIU leaves the tree stopped, every thread of it is
     in its stop when it is asked, and it runs on once continued."""
     filled, lazy = memory == "filled", memory == "on-demand"
@@ -353,7 +353,7 @@ def test_every_restore_path_gives_the_processes_their_tiles_back_before_any_runs
         kill_tree(pid)
 
 
-def test_a_unit_dumped_stopped_at_a_cut_is_given_its_tiles_back_and_left_stopped(tmp_path):
+def test_a_unit_dumped_stopped_at_a_cut_is_given_its_tiles_back_and_left_stopped(criu, tmp_path):
     """Units of a workload on several hosts are stopped for the cut and dumped so: they come
     back stopped (CRIU restores the stop), and stay so until the coordinator continues every
     one at once."""

@@ -47,7 +47,7 @@ def digest(port: int, timeout: float = 30) -> dict:
 
 
 @pytest.fixture
-def dumped(tmp_path):
+def dumped(criu, tmp_path):
     """The workload dumped (it stops), with the digests it answered just before."""
     return dump_pattern(tmp_path, PAGES)
 
