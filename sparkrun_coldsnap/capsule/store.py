@@ -13,11 +13,9 @@ written in place.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import tempfile
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,21 +26,11 @@ from sparkrun_coldsnap.digests import CHUNK, HashingReader, canonical_json, hex_
 from sparkrun_coldsnap.errors import IntegrityError, NotFoundError, RequestError, StoreError, UntrustedStoreError
 from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.host.atomic import explain_os_error, fsync_dir, owned_prefix, staging_dir, write_bytes
+from sparkrun_coldsnap.host.file_lock import file_lock
 
 LAYOUT_VERSION = {"imageLayoutVersion": "1.0.0"}
 # Capsules hold process memory (prompts, keys a process held): read-only, and not for other users.
 BLOB_MODE = 0o440
-
-
-# Stores whose lock this thread holds, with how deep: flock locks are per open file, so a
-# second open of .lock by the same thread would wait for itself. Per thread, not per process:
-# another thread of the process (two captures at once) opens the file again and waits its turn.
-class _Held(threading.local):
-    def __init__(self) -> None:
-        self.depth: dict[str, int] = {}
-
-
-_HELD = _Held()
 
 
 @dataclass(frozen=True)
@@ -196,27 +184,18 @@ class CapsuleStore:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        """Serialize changes to the index and ``blobs/`` across processes (reentrant in one)."""
-        key, held = os.path.realpath(self.root), _HELD.depth
-        if held.get(key):
-            held[key] += 1
-            try:
-                yield
-            finally:
-                held[key] -= 1
-            return
+        """Serialize changes to the index and ``blobs/`` across processes and their threads
+        (reentrant in one thread: another thread of the process, two captures at once, waits its turn)."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+            lock = file_lock(self.root / ".lock", mode=0o600, per_thread=True)
+            lock.acquire()
         except OSError as err:
             raise StoreError(explain_os_error(err, self.root)) from err
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            held[key] = 1
             yield
         finally:
-            held.pop(key, None)
-            os.close(fd)
+            lock.release()
 
     # -- blobs ----------------------------------------------------------
 
