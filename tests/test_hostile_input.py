@@ -195,3 +195,39 @@ def test_a_real_capsule_still_unpacks(tmp_path):
     for d in cap.layers:
         unpack_layer(store, d, tmp_path / "stage")
     assert (tmp_path / "stage" / "solo" / "core-1.img").is_file()
+
+
+@pytest.mark.parametrize(("field", "capsule"), [("capsule.name", {"name": "../../x"}), ("capsule.name", {"name": "a/b"}), ("capsule.tag", {"name": "ok", "tag": "a b"}), ("capsule.tag", {"name": "ok", "tag": "../x"})])
+def test_a_request_naming_a_capsule_outside_the_name_rules_is_refused_naming_the_field(field, capsule):
+    from test_requests import request
+
+    doc = request().model_dump(mode="json")
+    doc["capsule"] = capsule
+    with pytest.raises(RequestError) as err:
+        api.load_request(json.dumps(doc), source="doc.json")
+    assert err.value.message.startswith("doc.json: %s: " % field) and "\n" not in err.value.message, err.value.message
+
+
+@FAST
+@given(st.text(max_size=40))
+def test_a_capsule_reference_is_parsed_to_one_that_writes_back_the_same_or_refused_in_one_line(text):
+    from sparkrun_coldsnap.documents.capsule_ref import CapsuleRef
+
+    try:
+        ref = CapsuleRef.parse(text)
+    except RequestError as err:
+        assert "\n" not in err.message and repr(text) in err.message
+        return
+    assert ".." not in ref.name and "/" not in ref.ref and " " not in ref.ref
+    assert CapsuleRef.parse(str(ref)) == ref and ref.ref in (text, text + ":latest")
+
+
+def test_the_store_tags_no_capsule_outside_the_name_rules(tmp_path):
+    store = CapsuleStore(tmp_path / "store").init()
+    desc = store.put_bytes(b"{}", media.OCI_MANIFEST)
+    for bad in ("../../x", "x:a b", "X:latest"):
+        with pytest.raises(RequestError, match="write it as NAME"):
+            store.tag(bad, desc)
+    assert store.entries() == []
+    with pytest.raises(ColdsnapError, match="is not in the store"):
+        store.resolve("../../x")

@@ -149,6 +149,26 @@ def test_a_second_transition_on_the_same_workload_is_refused_at_once_naming_the_
         first.wait()
 
 
+def test_the_workload_lock_is_reentrant_in_its_process_from_any_thread_and_its_file_stays(lifecycle_home):
+    import threading
+
+    inner: list[BaseException | None] = []
+
+    def again() -> None:
+        try:
+            with records.locked(NAME):
+                inner.append(None)
+        except BaseException as err:  # noqa: BLE001 - reported by the assertion below
+            inner.append(err)
+
+    with records.locked(NAME):  # wake holds it while sparkrun's strategy, in this process, asks again
+        t = threading.Thread(target=again)
+        t.start()
+        t.join(10)
+    assert inner == [None]
+    assert (records.records_dir() / ("%s.lock" % NAME)).is_file()
+
+
 def test_a_transition_killed_midway_is_settled_by_the_next_command_with_a_note(lifecycle_home):
     records.save(record(state="active", root_pid=os.getpid()))
     crashed = holder(lifecycle_home, "hibernate")

@@ -88,3 +88,25 @@ def test_block_nested_unknown_key_and_bad_values():
 def test_block_defaults():
     b = parse_block(None)
     assert b.driver == "auto" and b.on_missing == "vanilla" and b.capsule.tag == "latest"
+
+
+def test_a_capsule_reference_is_one_value_parsed_and_written_in_one_place():
+    from sparkrun_coldsnap.documents.capsule_ref import CapsuleRef
+
+    assert CapsuleRef.parse("tiny") == CapsuleName(name="tiny") == CapsuleRef(name="tiny", tag="latest")
+    ref = CapsuleRef.parse("tiny:hibernated-w_1")
+    assert (ref.name, ref.tag, ref.ref, str(ref)) == ("tiny", "hibernated-w_1", "tiny:hibernated-w_1", "tiny:hibernated-w_1")
+    assert ref.with_tag("v2").ref == "tiny:v2"
+    assert request().model_dump()["capsule"] == {"name": "tiny", "tag": "latest"}  # the document's shape
+
+
+def test_the_recipe_block_and_a_request_refuse_a_capsule_name_with_the_same_rule():
+    with pytest.raises(RequestError) as block:
+        parse_block({"capsule": {"name": "../../x"}}, source="r.yaml")
+    with pytest.raises(ValidationError) as doc:
+        CapsuleName(name="../../x")
+    rule = "capsule name '../../x' must be lower-case letters, digits and . _ - separators"
+    assert rule in block.value.message and rule in str(doc.value)
+    with pytest.raises(ValidationError, match="tag 'a b' must match"):
+        CapsuleName(name="ok").with_tag("a b")
+    assert parse_block({"capsule": {"tag": "v1"}}).capsule.ref("recipe-name").ref == "recipe-name:v1"

@@ -260,3 +260,19 @@ def test_two_threads_of_one_process_take_the_store_lock_in_turn(tmp_path):
     assert not errors and len(inside) == 2, errors
     (_, _, first_left), (_, second_entered, _) = sorted(inside, key=lambda r: r[1])
     assert first_left <= second_entered, inside  # the second entered only once the first had left
+
+
+def test_the_store_lock_is_reentrant_through_another_object_for_the_same_store_and_its_file_stays(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    done = threading.Event()
+
+    def nested() -> None:
+        with CapsuleStore(tmp_path / "real").locked(), CapsuleStore(tmp_path / "link").locked():
+            done.set()
+
+    t = threading.Thread(target=nested, daemon=True)
+    t.start()
+    t.join(10)
+    assert done.is_set(), "a nested lock of the same store waited for itself"
+    assert (tmp_path / "real" / ".lock").is_file()  # kept after the release: the next holder locks the same file

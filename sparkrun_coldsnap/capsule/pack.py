@@ -17,7 +17,6 @@ import os
 import shutil
 import tarfile
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -31,6 +30,7 @@ from sparkrun_coldsnap.digests import short
 from sparkrun_coldsnap.errors import IntegrityError, StoreError
 from sparkrun_coldsnap.host.atomic import explain_os_error
 from sparkrun_coldsnap.host.sparse import write_sparse_parallel
+from sparkrun_coldsnap.host.threads import ContextPool
 
 SAMPLE = 4 << 20
 PAYS_RATIO = 0.8
@@ -203,7 +203,7 @@ def unpack_layer(store: CapsuleStore, desc: Descriptor, dest: Path, *, tick: Tic
         counted = _CountingReader(blob, tick)  # type: ignore[arg-type]
         try:
             source = _decompressed(desc, counted)  # type: ignore[arg-type]
-            with contextlib.closing(source), ThreadPoolExecutor(default_threads()) as writers, tarfile.open(fileobj=source, mode="r|", bufsize=TAR_BUFFER) as tar:
+            with contextlib.closing(source), ContextPool(default_threads()) as writers, tarfile.open(fileobj=source, mode="r|", bufsize=TAR_BUFFER) as tar:
                 for member in tar:
                     target = _safe_member(member, dest)
                     members_total += max(member.size, 0)

@@ -13,11 +13,9 @@ written in place.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import tempfile
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,24 +23,15 @@ from typing import Any, BinaryIO
 
 from sparkrun_coldsnap.capsule import media
 from sparkrun_coldsnap.digests import CHUNK, HashingReader, canonical_json, hex_of, is_digest, sha256_bytes, short
+from sparkrun_coldsnap.documents.capsule_ref import CapsuleRef
 from sparkrun_coldsnap.errors import IntegrityError, NotFoundError, RequestError, StoreError, UntrustedStoreError
 from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.host.atomic import explain_os_error, fsync_dir, owned_prefix, staging_dir, write_bytes
+from sparkrun_coldsnap.host.file_lock import file_lock
 
 LAYOUT_VERSION = {"imageLayoutVersion": "1.0.0"}
 # Capsules hold process memory (prompts, keys a process held): read-only, and not for other users.
 BLOB_MODE = 0o440
-
-
-# Stores whose lock this thread holds, with how deep: flock locks are per open file, so a
-# second open of .lock by the same thread would wait for itself. Per thread, not per process:
-# another thread of the process (two captures at once) opens the file again and waits its turn.
-class _Held(threading.local):
-    def __init__(self) -> None:
-        self.depth: dict[str, int] = {}
-
-
-_HELD = _Held()
 
 
 @dataclass(frozen=True)
@@ -84,12 +73,9 @@ class IndexEntry:
     descriptor: Descriptor
 
 
-def split_ref(ref: str) -> tuple[str, str]:
-    """``name[:tag]`` -> (name, tag); tag defaults to ``latest``."""
-    name, sep, tag = ref.rpartition(":")
-    if not sep or "/" in tag:
-        return ref, "latest"
-    return name, tag
+def capsule_ref(ref: str | CapsuleRef) -> CapsuleRef:
+    """*ref* as a capsule identity: ``name[:tag]`` parsed and checked (the tag ``latest`` when none is written)."""
+    return ref if isinstance(ref, CapsuleRef) else CapsuleRef.parse(ref)
 
 
 class VerifiedReader:
@@ -196,27 +182,18 @@ class CapsuleStore:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        """Serialize changes to the index and ``blobs/`` across processes (reentrant in one)."""
-        key, held = os.path.realpath(self.root), _HELD.depth
-        if held.get(key):
-            held[key] += 1
-            try:
-                yield
-            finally:
-                held[key] -= 1
-            return
+        """Serialize changes to the index and ``blobs/`` across processes and their threads
+        (reentrant in one thread: another thread of the process, two captures at once, waits its turn)."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+            lock = file_lock(self.root / ".lock", mode=0o600, per_thread=True)
+            lock.acquire()
         except OSError as err:
             raise StoreError(explain_os_error(err, self.root)) from err
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            held[key] = 1
             yield
         finally:
-            held.pop(key, None)
-            os.close(fd)
+            lock.release()
 
     # -- blobs ----------------------------------------------------------
 
@@ -328,10 +305,9 @@ class CapsuleStore:
             out.append(IndexEntry((desc.annotations or {}).get(media.A_REF_NAME), desc))
         return out
 
-    def tag(self, ref: str, desc: Descriptor) -> None:
+    def tag(self, ref: str | CapsuleRef, desc: Descriptor) -> None:
         """Point *ref* (``name:tag``) at *desc*, replacing what it pointed at."""
-        name, tag = split_ref(ref)
-        full = "%s:%s" % (name, tag)
+        full = capsule_ref(ref).ref
         annotations = dict(desc.annotations or {})
         annotations[media.A_REF_NAME] = full
         entry = Descriptor(desc.media_type, desc.digest, desc.size, annotations, desc.artifact_type).to_json()
@@ -340,7 +316,7 @@ class CapsuleStore:
             manifests.append(entry)
             self._write_index(manifests)
 
-    def commit(self, ref: str, manifest: Descriptor, *, files: list[tuple[Path, str, int]], documents: list[bytes]) -> None:
+    def commit(self, ref: str | CapsuleRef, manifest: Descriptor, *, files: list[tuple[Path, str, int]], documents: list[bytes]) -> None:
         """Move staged blob files into ``blobs/``, write small blobs, and point *ref* at *manifest*,
         all under the store lock.
 
@@ -350,6 +326,7 @@ class CapsuleStore:
         """
         from sparkrun_coldsnap.capsule import gc
 
+        full = capsule_ref(ref).ref  # refused before anything is written
         with self.locked():
             gc.collect_locked(self, apply=True, transfers=False)
             for path, digest, size in files:
@@ -360,17 +337,18 @@ class CapsuleStore:
             needed = [Descriptor.from_json(d) for d in [doc.get("config"), *(doc.get("layers") or [])] if isinstance(d, dict)]
             missing = [d.digest for d in needed if not self.has_blob(d.digest, d.size)]
             if missing:
-                raise StoreError("blob %s of %s was removed from the store %s while it was being written: run the command again" % (short(missing[0]), ref, self.root))
-            name, tag = split_ref(ref)
+                raise StoreError("blob %s of %s was removed from the store %s while it was being written: run the command again" % (short(missing[0]), full, self.root))
             annotations = dict(manifest.annotations or {})
-            annotations[media.A_REF_NAME] = "%s:%s" % (name, tag)
+            annotations[media.A_REF_NAME] = full
             entry = Descriptor(manifest.media_type, manifest.digest, manifest.size, annotations, manifest.artifact_type).to_json()
-            manifests = [m for m in self._read_index()["manifests"] if (m.get("annotations") or {}).get(media.A_REF_NAME) != "%s:%s" % (name, tag)]
+            manifests = [m for m in self._read_index()["manifests"] if (m.get("annotations") or {}).get(media.A_REF_NAME) != full]
             self._write_index([*manifests, entry])
 
-    def resolve(self, ref: str) -> IndexEntry:
+    def resolve(self, ref: str | CapsuleRef) -> IndexEntry:
         """Find a manifest by ``name[:tag]``, by digest, or by a unique digest prefix."""
         entries = self.entries()
+        if isinstance(ref, CapsuleRef):
+            ref = ref.ref
         if ref.startswith("sha256:"):
             hits = [e for e in entries if e.descriptor.digest.startswith(ref)]
             uniq = {e.descriptor.digest for e in hits}
@@ -379,14 +357,17 @@ class CapsuleStore:
             if len(uniq) > 1:
                 raise RequestError("digest prefix %s is ambiguous in %s: give more digits" % (ref, self.root))
         else:
-            name, tag = split_ref(ref)
+            try:
+                wanted = capsule_ref(ref).ref
+            except RequestError:
+                wanted = ref  # not a name a capsule is tagged with now: only an entry written before under it matches
             for e in entries:
-                if e.ref == "%s:%s" % (name, tag):
+                if e.ref == wanted:
                     return e
         known = ", ".join(sorted(e.ref or short(e.descriptor.digest) for e in entries)) or "none"
         raise NotFoundError("capsule %s is not in the store %s (known: %s): capture it with `sparkrun coldsnap capture` or pull it" % (ref, self.root, known))
 
-    def untag(self, ref: str) -> IndexEntry:
+    def untag(self, ref: str | CapsuleRef) -> IndexEntry:
         entry = self.resolve(ref)
         with self.locked():
             manifests = []

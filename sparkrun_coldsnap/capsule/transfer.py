@@ -34,8 +34,9 @@ from sparkrun_coldsnap.capsule.capsule import Capsule, open_capsule, parse_confi
 from sparkrun_coldsnap.capsule.config import ModelFile, NativePayload, WeightsRecord
 from sparkrun_coldsnap.capsule.reference import Reference
 from sparkrun_coldsnap.capsule.registry import DEFAULT_CHUNK, RegistryClient
-from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor, split_ref
+from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor, capsule_ref
 from sparkrun_coldsnap.digests import canonical_json, sha256_bytes, short
+from sparkrun_coldsnap.documents.capsule_ref import CapsuleRef
 from sparkrun_coldsnap.errors import ColdsnapError, IntegrityError, RequestError, StoreError
 from sparkrun_coldsnap.progress import QUIET, Progress
 from sparkrun_coldsnap.weights import model_files, native_payload, packed_payload
@@ -195,6 +196,7 @@ class PullResult:
 
 def pull(client: RegistryClient, ref: Reference, store: CapsuleStore, *, local_ref: str | None = None, progress: Progress = QUIET) -> PullResult:
     """Pull the capsule at *ref* into *store*; tag it *local_ref* (default: its name:tag)."""
+    local = capsule_ref(local_ref) if local_ref else None  # refused before anything is fetched
     data, media_type, digest = client.get_manifest(ref.reference)
     if media_type and media_type not in (media.OCI_MANIFEST,):
         raise StoreError("%s is a %s, not a coldsnap capsule manifest (%s)" % (ref, media_type, media.OCI_MANIFEST))
@@ -216,10 +218,10 @@ def pull(client: RegistryClient, ref: Reference, store: CapsuleStore, *, local_r
         for d in layers:
             got = _fetch(client, store, d, tick)
             files += [(got, d.digest, d.size)] if got is not None else []
-    name, tag = split_ref(local_ref) if local_ref else (config.name, ref.tag or config.tag)
+    target = local or CapsuleRef.of(config.name, ref.tag or config.tag, what="the capsule %s names itself" % ref, fix="pull it with a local name (NAME[:TAG])")
     # Blobs and tag in one step under the store lock: until then the pull is invisible.
-    store.commit("%s:%s" % (name, tag), Descriptor(media.OCI_MANIFEST, digest, len(data), artifact_type=media.ARTIFACT_TYPE), files=files, documents=[data])
-    return PullResult(open_capsule(store, "%s:%s" % (name, tag)), len(files), len(layers) + 1 - len(files))
+    store.commit(target, Descriptor(media.OCI_MANIFEST, digest, len(data), artifact_type=media.ARTIFACT_TYPE), files=files, documents=[data])
+    return PullResult(open_capsule(store, target.ref), len(files), len(layers) + 1 - len(files))
 
 
 def _json_object(data: bytes, d: Descriptor) -> dict[str, Any]:

@@ -14,12 +14,13 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import BinaryIO
 
 import zstandard
 
 from sparkrun_coldsnap.errors import IntegrityError
+from sparkrun_coldsnap.host.threads import ContextPool
 
 FRAME = 16 << 20
 #: what a frame may say it holds: more is a damaged or hostile layer, not a reason to allocate
@@ -54,7 +55,7 @@ class FramedWriter:
         self.threads = threads or default_threads()
         self._buf = bytearray()
         self._pending: deque[Future[bytes]] = deque()
-        self._pool = ThreadPoolExecutor(self.threads)
+        self._pool = ContextPool(self.threads)
         self._compressor = _per_thread(lambda: zstandard.ZstdCompressor(level=level, write_content_size=True))
 
     def _compress(self, chunk: bytes) -> bytes:
@@ -112,7 +113,7 @@ class FramedReader:
         self.threads = threads or default_threads()
         self._sizes = deque(sizes)
         self._ahead: deque[Future[bytes]] = deque()
-        self._pool = ThreadPoolExecutor(self.threads)
+        self._pool = ContextPool(self.threads)
         self._decompressor = _per_thread(zstandard.ZstdDecompressor)
         self._current = memoryview(b"")
         try:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sparkrun_coldsnap.errors import CaptureError, ColdsnapError
+from sparkrun_coldsnap.host.threads import ContextPool
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ def checkpoint_units(cut: Cut, units: Sequence[UnitOnHost], *, resume: bool = Tr
     held: dict[str, str] = {}  # unit -> what is known of its device state
     failure: ColdsnapError | None = None
     problems: list[str] = []
-    with ThreadPoolExecutor(max_workers=max(1, len(units))) as pool:
+    with ContextPool(max_workers=max(1, len(units))) as pool:
         try:
             if devices is not None:
                 _every(pool, units, devices.lock, out, "lock", "locked", out.devices, held, after="locked")

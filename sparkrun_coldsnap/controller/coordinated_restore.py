@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 from sparkrun_coldsnap.documents.request import LaunchUnit
 from sparkrun_coldsnap.errors import ColdsnapError
+from sparkrun_coldsnap.host.threads import ContextPool
 
 
 class RestoreSteps(Protocol):
@@ -77,7 +78,7 @@ def restore_units(steps: RestoreSteps, units: Sequence[LaunchUnit], roots: dict[
     """Restore, adopt, continue every unit, then give every unit its devices back and unlock
     them all (see the module docstring); *roots* gets each unit's restored root by name."""
     out = CoordinatedRestore()
-    with ThreadPoolExecutor(max_workers=max(1, len(units))) as pool:
+    with ContextPool(max_workers=max(1, len(units))) as pool:
 
         def restored(u: LaunchUnit) -> None:
             roots[u.name] = steps.restore(u)

@@ -30,7 +30,6 @@ import contextlib
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +54,7 @@ from sparkrun_coldsnap.engines.base import Endpoint
 from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, RequestError, ValidationError
 from sparkrun_coldsnap.host import iouring
 from sparkrun_coldsnap.host.file_drift import RecordedFile
+from sparkrun_coldsnap.host.threads import ContextPool
 from sparkrun_coldsnap.launch.remote import UnitHosts
 from sparkrun_coldsnap.progress import QUIET, Progress
 from sparkrun_coldsnap.weights import model_files, weight_paths
@@ -66,7 +66,7 @@ def ordered(w: Workload) -> list[LaunchUnit]:
 
 def _parallel(units: Sequence[LaunchUnit], step: Callable[[LaunchUnit], Any]) -> dict[str, Any]:
     """*step* of every unit at once; every unit's outcome waited for, then the first failure raised."""
-    with ThreadPoolExecutor(max_workers=max(1, len(units))) as pool:
+    with ContextPool(max_workers=max(1, len(units))) as pool:
         futures = {u.name: pool.submit(step, u) for u in units}
         out, errors = {}, []
         for u in units:

@@ -6,36 +6,21 @@ because a misspelt setting silently ignored would change what gets captured.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 from pydantic import ValidationError as PydanticValidationError
 
+from sparkrun_coldsnap.documents.capsule_ref import DEFAULT_TAG, CapsuleNameField, CapsuleRef, TagField
 from sparkrun_coldsnap.documents.strict import Strict, allowed_keys, one_line
 from sparkrun_coldsnap.errors import RequestError
-
-_NAME_RE = re.compile(r"^[a-z0-9]+(?:[._-][a-z0-9]+)*$")
-_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 
 DEFAULT_PROMPT = "Reply with one short sentence: what is a cold start?"
 
 
-def check_capsule_name(value: str) -> str:
-    if not _NAME_RE.match(value):
-        raise ValueError("capsule name %r must be lower-case letters, digits and . _ - separators" % value)
-    return value
-
-
-def check_tag(value: str) -> str:
-    if not _TAG_RE.match(value):
-        raise ValueError("tag %r must match [A-Za-z0-9_][A-Za-z0-9._-]{0,127}" % value)
-    return value
-
-
 class CapsuleSettings(Strict):
-    name: str | None = Field(None, description="Capsule name in the store; defaults to the recipe's name.")
-    tag: str = Field("latest", description="Tag of the capsule to capture into and restore from.")
+    name: CapsuleNameField | None = Field(None, description="Capsule name in the store; defaults to the recipe's name.")
+    tag: TagField = Field(DEFAULT_TAG, description="Tag of the capsule to capture into and restore from.")
     store: str | None = Field(None, description="Local capsule store (an OCI image layout directory).")
     repository: str | None = Field(None, description="OCI repository (REGISTRY/REPO[:TAG]) to pull the capsule from when it is missing locally.")
     plain_http: bool = Field(False, description="Talk to the registry over plain HTTP (a registry on loopback, say).")
@@ -43,15 +28,9 @@ class CapsuleSettings(Strict):
     pull_weights: bool = Field(True, description="Fetch the model files from the capsule's weights artifact when they are missing here.")
     pull_native: bool = Field(True, description="Fetch the capsule's native weight payload, when it was published, with the capsule (weights: auto or native).")
 
-    @field_validator("name")
-    @classmethod
-    def _valid_name(cls, v: str | None) -> str | None:
-        return check_capsule_name(v) if v is not None else v
-
-    @field_validator("tag")
-    @classmethod
-    def _valid_tag(cls, v: str) -> str:
-        return check_tag(v)
+    def ref(self, default_name: str) -> CapsuleRef:
+        """The capsule this block names: its name, else *default_name*, and its tag."""
+        return CapsuleRef(name=self.name or default_name, tag=self.tag)
 
 
 class ValidationSettings(Strict):

@@ -14,6 +14,7 @@ from pydantic import Field, field_validator
 
 from sparkrun_coldsnap import secrets
 from sparkrun_coldsnap.digests import canonical_json, sha256_bytes
+from sparkrun_coldsnap.documents.capsule_ref import CapsuleRef
 from sparkrun_coldsnap.documents.strict import Strict
 
 REQUEST_FORMAT: Literal[1] = 1
@@ -124,13 +125,8 @@ class ValidationSpec(Strict):
     timeout_seconds: float = Field(120.0, gt=0)
 
 
-class CapsuleName(Strict):
-    name: str
-    tag: str = "latest"
-
-    @property
-    def ref(self) -> str:
-        return "%s:%s" % (self.name, self.tag)
+#: the capsule a request names: the one identity type (the name requests have always used for it)
+CapsuleName = CapsuleRef
 
 
 class _WorkloadRequest(Strict):
@@ -139,7 +135,7 @@ class _WorkloadRequest(Strict):
     format: Literal[1] = REQUEST_FORMAT
     workload: Workload
     validation: ValidationSpec
-    capsule: CapsuleName
+    capsule: CapsuleRef
     ready_timeout_seconds: float = Field(900.0, gt=0)
     request_sha256: str | None = Field(None, description="The document's own digest (what --dry-run prints); when present, a run checks the document still matches it. Not part of the digest.")
 

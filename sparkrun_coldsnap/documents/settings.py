@@ -2,9 +2,10 @@
 
 Every ``COLDSNAP_*`` variable (and the few standard ones the plugin honours) is read
 here and nowhere else. The CLI and the sparkrun strategy build the object when they
-start and install it; the controller receives it with each operation; lower layers
-ask :func:`current`. Tests build a :class:`Settings` and install it with
-:func:`using` instead of changing the environment.
+start and install it; the controller receives it with each operation and runs it under
+:func:`using`; lower layers ask :func:`current`, which answers per thread and per asyncio
+task. Tests build a :class:`Settings` and install it, or run under :func:`using`, instead of
+changing the environment.
 
 docs/user-guide.md ("Settings") lists each variable; keep the two in step.
 """
@@ -15,6 +16,7 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -169,37 +171,47 @@ class Settings:
         return {**self.environ, **extra}
 
 
-_active: Settings | None = None
+#: the settings an operation runs under (:func:`using`): per thread and per asyncio task, so
+#: two operations of one process, each on a thread of its own, read their own. A pool that
+#: runs a caller's work runs it in a copy of the caller's context (``host/threads.py``).
+_scoped: ContextVar[Settings | None] = ContextVar("coldsnap_settings", default=None)
+#: the process's settings (:func:`install`): what a context with none of its own reads,
+#: a thread started without a copy of its starter's context included.
+_installed: Settings | None = None
 
 
 def current() -> Settings:
-    """The installed settings; a library caller that installed none gets the environment's, read once."""
-    global _active
-    if _active is None:
-        _active = Settings.from_environ()
-    return _active
+    """The settings of this context, else the installed ones; a library caller that installed
+    none gets the environment's, read once."""
+    global _installed
+    scoped = _scoped.get()
+    if scoped is not None:
+        return scoped
+    if _installed is None:
+        _installed = Settings.from_environ()
+    return _installed
 
 
 def install(settings: Settings) -> Settings:
     """Make *settings* the process's settings (the CLI and the sparkrun strategy do this at entry)."""
-    global _active
-    _active = settings
+    global _installed
+    _installed = settings
+    _scoped.set(None)  # this context reads them from now on, not what a block around it set
     return settings
 
 
 def forget() -> None:
     """Drop the installed settings; the next :func:`current` reads the environment again."""
-    global _active
-    _active = None
+    global _installed
+    _installed = None
+    _scoped.set(None)
 
 
 @contextlib.contextmanager
 def using(settings: Settings) -> Iterator[Settings]:
-    """*settings* for the duration of the block, then the previous ones again."""
-    global _active
-    before = _active
-    _active = settings
+    """*settings* for the duration of the block in this thread or task, then the previous ones again."""
+    token = _scoped.set(settings)
     try:
         yield settings
     finally:
-        _active = before
+        _scoped.reset(token)

@@ -25,7 +25,6 @@ import json
 import mmap
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from sparkrun_coldsnap.drivers import criu_images as img
 from sparkrun_coldsnap.drivers.zero_pages import copy_ranges, for_each_process, plain_vmas
 from sparkrun_coldsnap.errors import RestoreError
 from sparkrun_coldsnap.host.process_tree import inner_pid, threads_stopped, tree_pids
+from sparkrun_coldsnap.host.threads import ContextPool
 
 #: areas smaller than this stay with CRIU: a fill pays off on the big ones
 MIN_AREA_BYTES = 1 << 20
@@ -376,7 +376,7 @@ def fill(images: Path, root_pid: int, *, threads: int) -> FillReport:
                 fds.append(fd)
             work += [(restored[plan["pid"]], base, chunk, fd) for chunk in _chunks(runs)]
         count = max(1, min(threads, len(work)))
-        with ThreadPoolExecutor(max_workers=count, thread_name_prefix="page-fill") as pool:
+        with ContextPool(max_workers=count, thread_name_prefix="page-fill") as pool:
             futures = [pool.submit(_write_and_give_back, pid, base, chunk, fd) for pid, base, chunk, fd in work]
             try:
                 written = sum(f.result() for f in futures)

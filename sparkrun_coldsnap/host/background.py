@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
+
+from sparkrun_coldsnap.host.threads import ContextPool
 
 
 def in_background[T](fn: Callable[..., T], *args: object, **kwargs: object) -> Future[T]:
     """*fn* run once on a thread of its own; its future."""
-    pool = ThreadPoolExecutor(1, thread_name_prefix="coldsnap-preparation")
+    pool = ContextPool(1, thread_name_prefix="coldsnap-preparation")
     try:
         return pool.submit(fn, *args, **kwargs)
     finally:

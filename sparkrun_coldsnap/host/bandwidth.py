@@ -14,10 +14,10 @@ import ctypes
 import mmap
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from sparkrun_coldsnap.host.chunked_read import read_chunks
+from sparkrun_coldsnap.host.threads import ContextPool
 
 CHUNK = 64 << 20
 
@@ -53,7 +53,7 @@ def fresh_memory_write(nbytes: int = 1 << 30, *, threads: int = 1) -> float:
 
     try:
         t = time.monotonic()
-        with ThreadPoolExecutor(threads) as pool:
+        with ContextPool(threads) as pool:
             list(pool.map(write, range(0, nbytes, share)))
         return nbytes / max(time.monotonic() - t, 1e-9)
     finally:

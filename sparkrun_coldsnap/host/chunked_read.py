@@ -6,8 +6,9 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from sparkrun_coldsnap.host.threads import ContextPool
 
 CHUNK = 64 << 20
 BLOCK = 4096  # direct reads want offsets, lengths and buffers on block boundaries
@@ -50,7 +51,7 @@ def read_chunks(
                 view.release()
                 buf.close()
 
-        with ThreadPoolExecutor(threads) as pool:
+        with ContextPool(threads) as pool:
             return sum(pool.map(one, range(0, size, CHUNK))), fd_direct >= 0
     finally:
         os.close(fd)

@@ -21,7 +21,6 @@ it), as soon as that process is gone, like a holder here.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 from sparkrun_coldsnap.errors import CaptureError
 from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.host.facts import boot_id
+from sparkrun_coldsnap.host.file_lock import file_lock
 from sparkrun_coldsnap.host.process_tree import start_ticks
 
 SYSCTL = Path("/proc/sys/kernel/io_uring_disabled")
@@ -111,12 +111,8 @@ def _checked(token: str) -> str:
 def _locked() -> Iterator[Path]:
     """The host's state folder, under its lock: held only while holders and the setting change."""
     d = state_dir()
-    fd = os.open(d / "lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with file_lock(d / "lock", mode=0o644, per_thread=True):
         yield d
-    finally:
-        os.close(fd)
 
 
 def _acquire(holder: str, record: dict | None = None) -> str:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from sparkrun_coldsnap.drivers import criu_tree
 from sparkrun_coldsnap.drivers.criu_tool import Criu, log_tail
 from sparkrun_coldsnap.errors import RestoreError, ToolError
 from sparkrun_coldsnap.host import disk_room, paths, xstate_perm
+from sparkrun_coldsnap.host.threads import start_thread
 from sparkrun_coldsnap.launch import checkpoint_leftovers, checkpoint_links, lazy_runtime, volume_files
 from sparkrun_coldsnap.launch import docker as d
 
@@ -135,7 +135,7 @@ def start_from_checkpoint(unit: d.ContainerUnit, name: str) -> d.ContainerUnit:
     # Clearing up after the start is off the clock: docker's checkpoint (links) and
     # containerd's unpacked copy (links), and, with every page copied, the images. A
     # thread the interpreter waits for at exit, so it ends before `sparkrun run` does.
-    threading.Thread(target=_after_start, args=(unit.container_id, images, unit.lazy), name="coldsnap-restore-cleanup").start()
+    start_thread(_after_start, unit.container_id, images, unit.lazy, name="coldsnap-restore-cleanup")
     return unit
 
 

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import fcntl
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,7 @@ from sparkrun_coldsnap.documents.strict import Strict, one_line
 from sparkrun_coldsnap.errors import ColdsnapError, NotFoundError, RequestError, StoreError
 from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.host.atomic import write_bytes
+from sparkrun_coldsnap.host.file_lock import Timeout, file_lock
 from sparkrun_coldsnap.lifecycle.states import State
 
 RECORD_FORMAT = 1
@@ -171,36 +170,23 @@ class Busy(RequestError):
     exit_code = 5
 
 
-#: locks this process holds: a verb that drives ``sparkrun run`` (wake) holds the workload's
-#: lock while sparkrun's strategy, in the same process, asks for it again.
-_held: dict[str, int] = {}
-
-
 @contextlib.contextmanager
 def locked(workload: str) -> Iterator[None]:
-    """Hold *workload*'s lock, or refuse at once naming the transition that holds it."""
-    if workload in _held:
-        _held[workload] += 1
-        try:
-            yield
-        finally:
-            _held[workload] -= 1
-        return
+    """Hold *workload*'s lock, or refuse at once naming the transition that holds it.
+
+    Reentrant in the process: a verb that drives ``sparkrun run`` (wake) holds the workload's
+    lock while sparkrun's strategy, in the same process, asks for it again."""
     path = records_dir() / ("%s.lock" % _safe(workload))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o640)
+    lock = file_lock(path, mode=0o640, per_thread=False)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            rec = load(workload)
-            t = rec.transition if rec else None
-            doing = "a %s (%s -> %s, pid %d, since %s)" % (t.verb, t.source, t.target, t.pid, t.started_at) if t else "another command"
-            raise Busy("workload %s is busy: %s is running on it; wait for it to finish, then try again" % (workload, doing)) from None
-        _held[workload] = 1
-        try:
-            yield
-        finally:
-            del _held[workload]
+        lock.acquire(blocking=False)
+    except Timeout:
+        rec = load(workload)
+        t = rec.transition if rec else None
+        doing = "a %s (%s -> %s, pid %d, since %s)" % (t.verb, t.source, t.target, t.pid, t.started_at) if t else "another command"
+        raise Busy("workload %s is busy: %s is running on it; wait for it to finish, then try again" % (workload, doing)) from None
+    try:
+        yield
     finally:
-        os.close(fd)  # closing drops the lock
+        lock.release()

@@ -16,6 +16,7 @@ from typing import Any
 from sparkrun_coldsnap import extensions
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.controller.restore import PreparedRestore
+from sparkrun_coldsnap.documents.capsule_ref import CapsuleRef
 from sparkrun_coldsnap.documents.receipts import Receipt
 from sparkrun_coldsnap.documents.request import RestoreRequest
 from sparkrun_coldsnap.documents.settings import Settings
@@ -47,8 +48,7 @@ def before_prepare(req: RestoreRequest, store: CapsuleStore, settings: Settings,
         m = move("activate", rec.state, workload=name)
         if rec.transition is None:  # ``wake`` records its own
             rec = records.save(rec.model_copy(update={"transition": Transition(verb="activate", source=m.source, target=m.target, pid=os.getpid(), started_at=now_iso())}))
-        tag = ref.rsplit(":", 1)[1]
-        req = req.model_copy(update={"capsule": req.capsule.model_copy(update={"tag": tag})})
+        req = req.model_copy(update={"capsule": req.capsule.with_tag(CapsuleRef.parse(ref).tag)})
         if rec.state == "warm" and rec.warm is not None and not warm.expired(rec.warm):
             try:
                 prepared = warm.claim(rec.warm, req, store=store, settings=settings, workload=rec.workload)

@@ -21,8 +21,8 @@ from sparkrun_coldsnap.capsule import capsule as capsule_mod
 from sparkrun_coldsnap.capsule.config import NativePayload
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.controller.common import Attempt, finish
+from sparkrun_coldsnap.documents.capsule_ref import CapsuleRef
 from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder, Validation, save_failure_receipt, save_receipt
-from sparkrun_coldsnap.documents.request import CapsuleName
 from sparkrun_coldsnap.engines.base import Endpoint
 from sparkrun_coldsnap.errors import ColdsnapError, EngineError, NotFoundError, RequestError, ValidationError
 from sparkrun_coldsnap.lifecycle import records, settle, warm
@@ -253,7 +253,7 @@ def hibernate(spec: str, *, where: Where = Where(), progress: Progress = QUIET) 
         if rec.root_pid is None or not settle.process_alive(rec.root_pid):
             raise RequestError("workload %s is recorded active but its process (pid %s) is gone: `sparkrun run %s` starts it again" % (rec.workload, rec.root_pid, rec.recipe))
         req = placement.capture_request(_plan(rec))
-        req = req.model_copy(update={"capsule": CapsuleName(name=req.capsule.name, tag=hibernation_tag(rec.workload))})
+        req = req.model_copy(update={"capsule": req.capsule.with_tag(hibernation_tag(rec.workload))})
         try:
             out = capture_live(
                 req, root_pid=rec.root_pid, log_path=local_record_paths(rec.workload)[1], store=store_of(rec), progress=progress, native=source_native(rec, req),
@@ -288,11 +288,13 @@ def _drop_older_hibernation(rec: WorkloadRecord, new_ref: str) -> None:
     status-aware scheduler names each run anew), is superseded by *new_ref*: its tag goes
     (``gc`` frees the blobs it alone held)."""
     old = rec.capsule_ref
-    if old and old != new_ref and old.split(":", 1)[-1].startswith(HIBERNATION_TAG):
-        try:
+    if not old or old == new_ref:
+        return
+    try:
+        if CapsuleRef.parse(old).tag.startswith(HIBERNATION_TAG):
             store_of(rec).untag(old)
-        except ColdsnapError:
-            pass  # already gone
+    except ColdsnapError:
+        pass  # already gone, or a name no capsule is tagged with now
 
 
 # -- warm ----------------------------------------------------------------------------------------
@@ -310,7 +312,7 @@ def prepare_warm(
         if not rec.capsule_ref:
             raise RequestError("workload %s has no capsule to warm from: hibernate it first" % rec.workload)
         req = placement.restore_request(_plan(rec))
-        req = req.model_copy(update={"capsule": CapsuleName(name=req.capsule.name, tag=rec.capsule_ref.rsplit(":", 1)[1])})
+        req = req.model_copy(update={"capsule": req.capsule.with_tag(CapsuleRef.parse(rec.capsule_ref).tag)})
         try:
             kept, receipt = warm.prepare_ahead(req, workload=rec.workload, store=store_of(rec), keep_seconds=keep_seconds, progress=progress, images_only=images_only)
         except ColdsnapError as err:

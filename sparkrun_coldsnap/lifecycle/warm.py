@@ -38,6 +38,7 @@ from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.controller.common import Attempt, Resolved, finish
 from sparkrun_coldsnap.controller.restore import PreparedRestore, open_and_admit, prepare_restore, unpack_capsule, unpacked_size
 from sparkrun_coldsnap.documents import settings as settings_mod
+from sparkrun_coldsnap.documents.capsule_ref import CapsuleRef
 from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder
 from sparkrun_coldsnap.documents.request import RestoreRequest
 from sparkrun_coldsnap.documents.settings import Settings
@@ -173,7 +174,7 @@ def claim(warm: WarmRestore, req: RestoreRequest, *, store: CapsuleStore, settin
     unpacked): the images, or the tree restored ahead, which activation then only hydrates and
     validates, under the run's name (``req.workload_name``)."""
     if req.capsule.ref != warm.capsule_ref:
-        req = req.model_copy(update={"capsule": req.capsule.model_copy(update={"tag": warm.capsule_ref.rsplit(":", 1)[1]})})
+        req = req.model_copy(update={"capsule": req.capsule.with_tag(CapsuleRef.parse(warm.capsule_ref).tag)})
     if warm.tree_pid is None:
         return prepare_restore(req, store=store, settings=settings, progress=progress, staged_at=Path(warm.staging))
     if not tree_alive(warm):

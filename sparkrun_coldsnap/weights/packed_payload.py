@@ -27,7 +27,7 @@ import os
 import struct
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +37,7 @@ from sparkrun_coldsnap.capsule.config import ModelFile
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.errors import ColdsnapError, IntegrityError
 from sparkrun_coldsnap.host.atomic import fsync_dir
+from sparkrun_coldsnap.host.threads import ContextPool
 from sparkrun_coldsnap.progress import Progress
 
 # blosc2 keeps the interpreter lock through a call by default. On a node with nothing prepared
@@ -226,7 +227,7 @@ def unpack_into(packed: Path, index: Index, dst_fd: int, *, threads: int | None 
 
         done = 0
         ahead: deque[Future[mmap.mmap]] = deque()
-        with ThreadPoolExecutor(READERS) as pool:
+        with ContextPool(READERS) as pool:
             upcoming = iter(range(len(index.pieces)))
             for i in itertools.islice(upcoming, 2 * READERS):
                 ahead.append(pool.submit(read, i))

@@ -16,7 +16,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +24,7 @@ import psutil
 
 from sparkrun_coldsnap.errors import ToolError
 from sparkrun_coldsnap.host import resident_pages
+from sparkrun_coldsnap.host.threads import ContextPool, start_thread
 from sparkrun_coldsnap.weights import weight_paths
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ def read_ahead(
             advise(tasks)
         if queued is not None:
             queued()
-        with ThreadPoolExecutor(READERS) as pool:
+        with ContextPool(READERS) as pool:
             return sum(pool.map(one, tasks))
     finally:
         for fd in fds:
@@ -161,7 +161,7 @@ def _read_into_cache(
             rb.details[key] = {"skipped": p.why_not()}
             return False
         if background:
-            threading.Thread(target=_read_quietly, args=(p.files, spans), name="coldsnap-%s" % key, daemon=True).start()
+            start_thread(_read_quietly, p.files, spans, name="coldsnap-%s" % key, daemon=True)
             rb.details[key] = {"bytes": p.total, "files": len(files), "background": True}
             return True
         with rb.phase("prepare.%s" % key), progress.transfer("reading %d %s into the page cache" % (len(files), what), p.total) as tick:
