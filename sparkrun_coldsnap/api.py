@@ -1,10 +1,15 @@
-"""The one implementation of each operation: a request document in, a receipt out.
+"""The one door into the controller: each operation, a request document in, a receipt out.
 
-sparkrun's strategy, the verbs and the request entry (``--request FILE``) all call these, and
-so can any other placement manager (a Kubernetes Job, a systemd unit, a shell script): the
-manager owns scheduling, credentials, transport and workload identity; this API owns capture,
-compatibility, restore and receipts. docs/integrators.md describes the documents, the exit
-codes and the per-unit flow.
+sparkrun's strategy, the verbs, the lifecycle, the benchmarks and the request entry
+(``--request FILE``) all call these, and so can any other placement manager (a Kubernetes Job,
+a systemd unit, a shell script): the manager owns scheduling, credentials, transport and
+workload identity; this API owns capture, compatibility, restore and receipts. Outside
+``controller/`` only this module imports the controller (``tests/test_layers.py`` checks), so
+a change to how the controller tells its stories is answered here once. docs/integrators.md describes the
+documents, the exit codes and the per-unit flow.
+
+A workload of one unit runs on this host; one of several runs over the hosts it was placed on
+(:class:`~sparkrun_coldsnap.launch.remote.UnitHosts`): the ``*_units`` operations.
 
 Every operation returns its receipt (inside an outcome where there is more to hand back);
 a failure raises a :class:`~sparkrun_coldsnap.errors.ColdsnapError` whose ``receipt`` is the
@@ -14,27 +19,47 @@ failed (or refused) one and whose ``exit_code`` is the documented code.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError as PydanticValidationError
 
 from sparkrun_coldsnap import controller
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
+from sparkrun_coldsnap.capsule.capsule import Capsule
 from sparkrun_coldsnap.capsule.store import CapsuleStore
-from sparkrun_coldsnap.controller import PreparedRestore, ServingOutcome
-from sparkrun_coldsnap.controller.common import Attempt, finish
+from sparkrun_coldsnap.controller import units as controller_units
+from sparkrun_coldsnap.controller import units_restore
+from sparkrun_coldsnap.controller.capture import CaptureOutcome
+from sparkrun_coldsnap.controller.common import Attempt, Resolved, ServingOutcome, finish
+from sparkrun_coldsnap.controller.coordinated_checkpoint import UnitOnHost
+from sparkrun_coldsnap.controller.restore import PreparedRestore, open_and_admit, unpack_capsule, unpacked_size
+from sparkrun_coldsnap.controller.units import ordered
+from sparkrun_coldsnap.controller.units_restore import PreparedUnits
 from sparkrun_coldsnap.documents import settings as settings_mod
-from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder
+from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder, Validation
 from sparkrun_coldsnap.documents.request import REQUEST_FORMAT, CaptureRequest, RestoreRequest
 from sparkrun_coldsnap.documents.settings import Settings
 from sparkrun_coldsnap.documents.strict import one_line
 from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, NotFoundError, RequestError
 from sparkrun_coldsnap.host import paths
+from sparkrun_coldsnap.launch.remote import UnitHosts
 from sparkrun_coldsnap.progress import QUIET, Progress
+from sparkrun_coldsnap.weights.weight_paths import WeightChoice
 
-__all__ = ["Activated", "Plan", "activate", "capture", "load_request", "prepare", "recapture_request", "restore", "verify"]
+__all__ = [
+    # operations
+    "activate", "activate_restore", "activate_units", "admission", "capture", "capture_units", "load_request", "prepare", "prepare_restore",
+    "prepare_units", "recapture_request", "refuse_topology", "restore", "start_units", "start_vanilla", "verify", "when_missing",
+    # what they take and hand back
+    "Activated", "CaptureOutcome", "Plan", "PreparedRestore", "PreparedUnits", "Resolved", "ServingOutcome", "StartedUnits", "UnitOnHost",
+    # a receipt's failure handling, for the operations the lifecycle tells itself (sleep, wake, warm)
+    "Attempt", "finish",
+    # the steps of a restore prepared ahead (``lifecycle/warm.py``)
+    "open_and_admit", "ordered", "unpack_capsule", "unpacked_size",
+]  # fmt: skip
 
 
 # -- requests as documents ------------------------------------------------------------------
@@ -73,9 +98,16 @@ def _store(store: CapsuleStore | str | Path | None) -> CapsuleStore:
 # -- capture ---------------------------------------------------------------------------------
 
 
-def capture(request: CaptureRequest, *, store: CapsuleStore | str | Path | None = None, settings: Settings | None = None, progress: Progress = QUIET) -> controller.CaptureOutcome:
+def capture(request: CaptureRequest, *, store: CapsuleStore | str | Path | None = None, settings: Settings | None = None, progress: Progress = QUIET) -> CaptureOutcome:
     """Start the request's engine, validate it, capture it into a capsule of *store*."""
     return controller.capture(request, store=_store(store), settings=settings, progress=progress)
+
+
+def capture_units(
+    request: CaptureRequest, hosts: UnitHosts, *, store: CapsuleStore, init_port: int, settings: Settings | None = None, progress: Progress = QUIET,
+) -> CaptureOutcome:  # fmt: skip
+    """Start every unit of *request* on its host, validate through rank 0, checkpoint all at one cut, publish."""
+    return controller_units.capture_units(request, hosts, store=store, init_port=init_port, settings=settings, progress=progress)
 
 
 # -- restore: prepare, then activate ---------------------------------------------------------
@@ -118,16 +150,57 @@ def prepare(
     try:
         s.resolve(request.capsule.ref)
     except NotFoundError:
-        if request.on_missing == "fail":
-            raise NotFoundError("capsule %s is not in %s and the request says on_missing: fail: capture it first" % (request.capsule.ref, s.root)) from None
-        return Plan(request, s, settings, vanilla_because="no capsule %s in %s yet" % (request.capsule.ref, s.root))
+        return when_missing(request, s, settings)
     try:
-        return Plan(request, s, settings, prepared=controller.prepare_restore(request, store=s, settings=settings, progress=progress, replacing=frozenset(replacing)))
+        return Plan(request, s, settings, prepared=prepare_restore(request, store=s, settings=settings, progress=progress, replacing=frozenset(replacing)))
     except CompatibilityError as err:
         if request.on_incompatible != "vanilla":
             raise
         # The capsule cannot come back here, but the workload still can; nothing was evicted.
         return Plan(request, s, settings, vanilla_because=str(err), refused=err.receipt)
+
+
+def when_missing(
+    request: RestoreRequest, store: CapsuleStore, settings: Settings, *, asked_by: str = "the request says", fix: str = "capture it first",
+    repository: str | None = None, pull_error: NotFoundError | None = None,
+) -> Plan:  # fmt: skip
+    """What a restore does when capsule ``request.capsule`` is not in *store* (nor, when a pull
+    from *repository* was tried, there: *pull_error* says why): ``on_missing: fail`` raises,
+    ``vanilla`` plans a vanilla start that says why.
+
+    *asked_by* names where ``on_missing`` was set and *fix* how to make the capsule, as the
+    caller's user knows them (the request document, a recipe)."""
+    ref = request.capsule.ref
+    if request.on_missing == "fail":
+        if pull_error is not None:
+            raise pull_error  # the registry's own account of what it lacks
+        raise NotFoundError("capsule %s is not in %s and %s on_missing: fail: %s" % (ref, store.root, asked_by, fix)) from None
+    if repository and pull_error is not None:
+        return Plan(request, store, settings, vanilla_because="no capsule %s here nor in %s (%s)" % (ref, repository, pull_error))
+    return Plan(request, store, settings, vanilla_because="no capsule %s in %s yet" % (ref, store.root))
+
+
+def prepare_restore(
+    request: RestoreRequest, *, store: CapsuleStore, settings: Settings | None = None, progress: Progress = QUIET, replacing: frozenset[int] = frozenset(),
+    staged_at: Path | None = None,
+) -> PreparedRestore:  # fmt: skip
+    """Admission and staging of capsule ``request.capsule``, with no policy: a missing or refused
+    capsule raises (what a benchmark and a restore prepared ahead want). *staged_at*: images
+    unpacked earlier (a warm restore), which admission checks again and nothing unpacks."""
+    return controller.prepare_restore(request, store=store, settings=settings, progress=progress, replacing=replacing, staged_at=staged_at)
+
+
+def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Progress = QUIET) -> ServingOutcome:
+    """Restore what *prepared* staged, bring its weights back, validate: a running, validated workload."""
+    return controller.activate_restore(prepared, log_path=log_path, progress=progress)
+
+
+def start_vanilla(
+    request: RestoreRequest, *, log_path: Path, settings: Settings | None = None, progress: Progress = QUIET, on_started: Callable[[int], None] | None = None,
+    because: str | None = None,
+) -> ServingOutcome:  # fmt: skip
+    """Start the engine the ordinary way (no capsule, or one refused: *because* says why), wait, validate."""
+    return controller.start_vanilla(request, log_path=log_path, settings=settings, progress=progress, on_started=on_started, because=because)
 
 
 def recapture_request(request: RestoreRequest) -> CaptureRequest:
@@ -155,23 +228,23 @@ def activate(
     note = on_note or (lambda text: None)
     if plan.prepared is not None:
         prepared, plan.prepared = plan.prepared, None
-        return Activated(controller.activate_restore(prepared, log_path=log_path, progress=progress), [], "restored")
+        return Activated(activate_restore(prepared, log_path=log_path, progress=progress), [], "restored")
     receipts: list[Receipt] = []
     if req.recapture:
         note("%s: capturing the engine again (recapture: true), then restoring from the new capsule" % plan.vanilla_because)
         try:
-            captured = controller.capture(recapture_request(req), store=plan.store, settings=plan.settings, progress=progress)
+            captured = capture(recapture_request(req), store=plan.store, settings=plan.settings, progress=progress)
         except ColdsnapError as err:  # the workload must still come up: vanilla below
             if err.receipt is not None:
                 receipts.append(err.receipt)
             note("recapture failed (%s): starting the engine vanilla instead" % err)
         else:
             receipts.append(captured.receipt)
-            prepared = controller.prepare_restore(req, store=plan.store, settings=plan.settings, progress=progress)
-            out = controller.activate_restore(prepared, log_path=log_path, progress=progress)
+            prepared = prepare_restore(req, store=plan.store, settings=plan.settings, progress=progress)
+            out = activate_restore(prepared, log_path=log_path, progress=progress)
             return Activated(out, receipts, "recaptured")
     note("%s: starting the engine vanilla (capture it with `sparkrun coldsnap capture`)" % plan.vanilla_because)
-    out = controller.start_vanilla(req, log_path=log_path, settings=plan.settings, progress=progress, on_started=on_started, because=plan.vanilla_because)
+    out = start_vanilla(req, log_path=log_path, settings=plan.settings, progress=progress, on_started=on_started, because=plan.vanilla_because)
     return Activated(out, receipts, "vanilla")
 
 
@@ -181,6 +254,62 @@ def restore(
 ) -> Activated:  # fmt: skip
     """Prepare, then activate: for a manager with nothing to evict in between."""
     return activate(prepare(request, store=store, settings=settings, progress=progress), log_path=log_path, progress=progress, on_note=on_note)
+
+
+# -- a restore's admission, asked without restoring ----------------------------------------------
+
+
+def admission(capsule: Capsule, request: RestoreRequest, *, settings: Settings | None = None) -> tuple[list[str], WeightChoice | None]:
+    """Admission of *capsule* for *request* on this host: what refuses it (nothing: admitted) and
+    the path its weights would take."""
+    return controller.check_admission(capsule, request, controller.resolve(request.workload, settings or settings_mod.current()))
+
+
+def refuse_topology(capsule: Capsule, request: RestoreRequest) -> None:
+    """A CompatibilityError when the run's placement is not the captured one (units, ranks, hosts)."""
+    units_restore.refuse_topology(capsule, request)
+
+
+# -- several units, over the hosts they were placed on ------------------------------------------
+
+
+def prepare_units(request: RestoreRequest, hosts: UnitHosts, *, store: CapsuleStore, settings: Settings | None = None, progress: Progress = QUIET) -> PreparedUnits:
+    """Topology, admission on every host, each unit's layers staged on its host (nothing stopped yet)."""
+    return units_restore.prepare_units(request, hosts, store=store, settings=settings, progress=progress)
+
+
+def activate_units(prepared: PreparedUnits, *, progress: Progress = QUIET) -> ServingOutcome:
+    """Restore every unit *prepared* staged at once, bring the weights back, validate through rank 0."""
+    return units_restore.activate_units(prepared, progress=progress)
+
+
+@dataclass(frozen=True)
+class StartedUnits:
+    """Every unit started the ordinary way and validated through rank 0."""
+
+    receipt: Receipt
+    validation: Validation
+
+
+def start_units(
+    request: RestoreRequest, hosts: UnitHosts, *, init_port: int, settings: Settings | None = None, progress: Progress = QUIET, because: str | None = None,
+    details: Callable[[], Mapping[str, Any]] | None = None,
+) -> StartedUnits:  # fmt: skip
+    """Start every unit of *request* on its host (head first), wait for rank 0, validate through it;
+    a failure stops every rank started. *because*: why not a restore; *details*: what the caller
+    adds to the receipt once every unit serves."""
+    rb = ReceiptBuilder("start", request_sha256=request.digest())
+    if because:
+        rb.details["instead_of_restore"] = because
+    r = controller.resolve(request.workload, settings or settings_mod.current())
+    try:
+        validation, _ = controller_units.start_units(r, request, hosts, rb, progress, init_port=init_port)
+    except BaseException as err:
+        controller_units.stop_on_failure(rb, hosts, err, [], "every rank started has been stopped")
+        raise
+    if details is not None:
+        rb.details.update(details())
+    return StartedUnits(rb.finish("succeeded"), validation)
 
 
 # -- verify ------------------------------------------------------------------------------------

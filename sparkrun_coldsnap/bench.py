@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from sparkrun_coldsnap import __version__, controller
+from sparkrun_coldsnap import __version__, api
 from sparkrun_coldsnap.capsule.capsule import Capsule
 from sparkrun_coldsnap.capsule.media import A_UNPACKED_SIZE
 from sparkrun_coldsnap.capsule.store import CapsuleStore
@@ -128,7 +128,7 @@ def run_paths(
             if drop_cache:
                 drop_page_cache()
             progress.step("sample %d/%d: vanilla start" % (i + 1, samples))
-            v = controller.start_vanilla(vanilla, log_path=log_dir / ("vanilla-%d.log" % i), progress=progress)
+            v = api.start_vanilla(vanilla, log_path=log_dir / ("vanilla-%d.log" % i), progress=progress)
             v.unit.stop()
             results.append(Sample(VANILLA, i, v.ttft_seconds or 0.0, phases={p.name: p.seconds for p in v.receipt.phases}))
             progress.note("vanilla: first token after %.2f s" % (v.ttft_seconds or 0))
@@ -137,10 +137,10 @@ def run_paths(
             if drop_cache:
                 drop_page_cache()
             progress.step("sample %d/%d: restore (%s)" % (i + 1, samples, name))
-            prepared = controller.prepare_restore(req, store=store, settings=(settings_for or {}).get(name), progress=progress)
+            prepared = api.prepare_restore(req, store=store, settings=(settings_for or {}).get(name), progress=progress)
             clock = StepClock(progress)
             t_start = time.monotonic()
-            r = controller.activate_restore(prepared, log_path=log_dir / ("restore-%s-%d.log" % (name, i)), progress=clock)
+            r = api.activate_restore(prepared, log_path=log_dir / ("restore-%s-%d.log" % (name, i)), progress=clock)
             r.unit.stop()
             phases = {p.name: p.seconds for p in r.receipt.phases}
             restore_end = t_start + phases.get("restore", 0.0)

@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import time
 
+from sparkrun_coldsnap import api
+from sparkrun_coldsnap.api import ordered
 from sparkrun_coldsnap.bench import VANILLA, Sample, document, phase_bytes
 from sparkrun_coldsnap.capsule.store import CapsuleStore
-from sparkrun_coldsnap.controller.common import resolve
-from sparkrun_coldsnap.controller.units import ordered, start_units, stop_on_failure
-from sparkrun_coldsnap.controller.units_restore import activate_units, prepare_units
-from sparkrun_coldsnap.documents import settings as settings_mod
-from sparkrun_coldsnap.documents.receipts import ReceiptBuilder
 from sparkrun_coldsnap.documents.request import RestoreRequest
 from sparkrun_coldsnap.errors import ToolError
 from sparkrun_coldsnap.launch.remote import UnitHosts
@@ -48,21 +45,15 @@ def _stop(hosts: UnitHosts) -> None:
 
 
 def vanilla_sample(req: RestoreRequest, hosts: UnitHosts, *, index: int, init_port: int, progress: Progress) -> Sample:
-    settings = settings_mod.current()
-    rb = ReceiptBuilder("start", request_sha256=req.digest())
-    try:
-        validation, _ = start_units(resolve(req.workload, settings), req, hosts, rb, progress, init_port=init_port)
-    except BaseException as err:
-        stop_on_failure(rb, hosts, err, [], "every rank started has been stopped")
-        raise
-    receipt = rb.finish("succeeded")
+    started = api.start_units(req, hosts, init_port=init_port, progress=progress)
     _stop(hosts)
-    return Sample(VANILLA, index, validation.ttft_seconds or 0.0, phases={p.name: p.seconds for p in receipt.phases}, validated=validation.passed)
+    validation = started.validation
+    return Sample(VANILLA, index, validation.ttft_seconds or 0.0, phases={p.name: p.seconds for p in started.receipt.phases}, validated=validation.passed)
 
 
 def restore_sample(req: RestoreRequest, hosts: UnitHosts, *, store: CapsuleStore, index: int, progress: Progress) -> Sample:
-    prepared = prepare_units(req, hosts, store=store, progress=progress)
-    outcome = activate_units(prepared, progress=progress)
+    prepared = api.prepare_units(req, hosts, store=store, progress=progress)
+    outcome = api.activate_units(prepared, progress=progress)
     _stop(hosts)
     receipt = outcome.receipt
     return Sample(

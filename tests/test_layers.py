@@ -115,3 +115,35 @@ def test_the_environment_is_read_only_by_the_settings_module():
             if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv") and isinstance(node.value, ast.Name) and node.value.id == "os":
                 readers.append("%s:%d" % (name, node.lineno))
     assert readers == []
+
+
+#: modules outside ``controller/`` that may import it besides the API, each with why.
+CONTROLLER_DOORS = {
+    "%s.api" % NAME: "the one door: every operation a caller needs, with the types it takes and hands back",
+    # The per-host end of a step between hosts resolves the workload's driver and launcher where
+    # it runs; it is a server under the controller's remote unit, not a caller of the controller.
+    "%s.integration.unit_agent" % NAME: "the per-host end of the multi-unit steps",
+    # Hibernate tells the capture story against a live workload from inside the capture's own
+    # steps; it becomes the controller's capture of a live unit, then api is its door too.
+    "%s.lifecycle.hibernate" % NAME: "the capture of a live workload, written beside the controller's capture",
+}
+
+
+def controller_importers(g: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Every module outside ``controller/`` that imports a module of it, with what it imports."""
+    inside = NAME + ".controller"
+    out = {}
+    for name, deps in g.items():
+        if name == inside or name.startswith(inside + "."):
+            continue
+        hits = sorted(d for d in deps if d == inside or d.startswith(inside + "."))
+        if hits:
+            out[name] = hits
+    return out
+
+
+def test_only_the_api_imports_the_controller():
+    importers = controller_importers(graph())
+    strays = {name: hits for name, hits in importers.items() if name not in CONTROLLER_DOORS}
+    assert strays == {}, "import sparkrun_coldsnap.api instead of the controller: %s" % strays
+    assert "%s.api" % NAME in importers  # the check sees the door it allows

@@ -29,8 +29,8 @@ def bench(recipe, hosts, cluster, options, offline, store, samples, out_dir, kee
     Captures the recipe first if its capsule does not exist yet. A recipe placed on several
     hosts is timed as a whole: every rank started, against every unit restored.
     """
+    from sparkrun_coldsnap import api
     from sparkrun_coldsnap import bench as bench_mod
-    from sparkrun_coldsnap import controller
     from sparkrun_coldsnap.integration import placement, planning
     from sparkrun_coldsnap.progress import Progress
 
@@ -49,7 +49,7 @@ def bench(recipe, hosts, cluster, options, offline, store, samples, out_dir, kee
 
             unit_operations.capture(actx, placement.capture_request(actx), store=capsule_store, progress=progress)
         else:
-            controller.capture(placement.capture_request(actx), store=capsule_store, progress=progress)
+            api.capture(placement.capture_request(actx), store=capsule_store, progress=progress)
     if lifecycle:
         from sparkrun_coldsnap.lifecycle import bench as lifecycle_bench
         from sparkrun_coldsnap.lifecycle.verbs import Where

@@ -52,9 +52,9 @@ def restore(recipe, hosts, cluster, options, offline, store, request_file, recei
         from sparkrun_coldsnap.integration import placement, planning, recipe_item, strategy
 
         actx = planning.plan_activation(recipe, hosts=host_tuple(hosts), cluster=cluster, overrides=parse_overrides(options), offline=offline)
-        req = placement.restore_request(actx).model_copy(update={"on_missing": "fail", "on_incompatible": "fail"})
-        print_document(req)
         block = recipe_item.block_of(actx.execution.plan.recipe)
+        req = placement.restore_request(actx, block).model_copy(update={"on_missing": "fail", "on_incompatible": "fail"})
+        print_document(req)
         view = strategy.describe_plan(req, open_store(store, doc), block.capsule.repository)
         click.echo(view.text, err=True)
         if view.error is not None:

@@ -27,10 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sparkrun_coldsnap.controller.common import resolve
-from sparkrun_coldsnap.controller.units import start_units, stop_on_failure
+from sparkrun_coldsnap import api
 from sparkrun_coldsnap.documents import settings as settings_mod
-from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder
+from sparkrun_coldsnap.documents.receipts import Receipt
 from sparkrun_coldsnap.documents.request import RestoreRequest
 from sparkrun_coldsnap.integration.ranks import RankRecord, Ranks, executor_of
 from sparkrun_coldsnap.integration.transport import open_for
@@ -48,17 +47,10 @@ class DistributedStart:
 def start_distributed(actx: Any, req: RestoreRequest, *, progress: Progress = QUIET, because: str | None = None) -> DistributedStart:
     """Start every unit of *req* on its host (head first), wait for rank 0, validate through it."""
     settings = settings_mod.current()
-    rb = ReceiptBuilder("start", request_sha256=req.digest())
-    if because:
-        rb.details["instead_of_restore"] = because
-    r = resolve(req.workload, settings)
     with settings_mod.using(settings), open_for(actx) as hosts:
         ranks = Ranks(hosts, executor_of(actx), actx.cluster_id)
-        unit_hosts = SparkrunUnitHosts(ranks)
-        try:
-            validation, _ = start_units(r, req, unit_hosts, rb, progress, init_port=int(actx.execution.options.init_port))
-        except BaseException as err:
-            stop_on_failure(rb, unit_hosts, err, [], "every rank started has been stopped")
-            raise
-        rb.details["units"] = [{"unit": x.unit.name, "host": x.unit.host, "rank": x.unit.rank, "name": x.name} for x in ranks.started]
-        return DistributedStart(rb.finish("succeeded"), tuple(ranks.started), validation.ttft_seconds)
+        done = api.start_units(
+            req, SparkrunUnitHosts(ranks), init_port=int(actx.execution.options.init_port), settings=settings, progress=progress, because=because,
+            details=lambda: {"units": [{"unit": x.unit.name, "host": x.unit.host, "rank": x.unit.rank, "name": x.name} for x in ranks.started]},
+        )  # fmt: skip
+        return DistributedStart(done.receipt, tuple(ranks.started), done.validation.ttft_seconds)

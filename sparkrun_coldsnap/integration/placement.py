@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,7 @@ def _workload_of(actx: Any, block: ColdsnapBlock) -> Workload:
     reg = extensions.registry()
     engine = block.engine or reg.engine_for_runtime(plan.runtime.runtime_name).name
     revision = str(recipe.model_revision)
-    model_dir = str(paths.hf_snapshot_dir(recipe.model, revision, actx.effective_cache_dir))
+    model_dir = str(model_dir_of(actx))
     executor = executor_name(actx)
     hosts = tuple(actx.hosts)
     settings = {**(getattr(recipe, "defaults", None) or {}), **(actx.execution.options.overrides or {})}
@@ -130,6 +131,12 @@ def _workload_of(actx: Any, block: ColdsnapBlock) -> Workload:
         driver=_select_driver(block, engine),
         weights=block.weights,
     )
+
+
+def model_dir_of(actx: Any) -> Path:
+    """Where the recipe's pinned model snapshot is (or would be) in the cache sparkrun's launch uses."""
+    recipe = actx.execution.plan.recipe
+    return paths.hf_snapshot_dir(recipe.model, str(recipe.model_revision), actx.effective_cache_dir)
 
 
 def pinned_image(image: str | None) -> str | None:
@@ -223,12 +230,29 @@ def store_for(context: Any) -> CapsuleStore:
     return store_for_run(context.execution.options, context.execution.plan.recipe)
 
 
-def store_for_run(options: Any, recipe: Any) -> CapsuleStore:
-    return store_of(block_of(recipe), (options.strategy_options or {}).get(OPT_STORE))
+def store_for_run(options: Any, recipe: Any, block: ColdsnapBlock | None = None) -> CapsuleStore:
+    return store_of(block or block_of(recipe), (options.strategy_options or {}).get(OPT_STORE))
 
 
-def capture_request(actx: Any) -> CaptureRequest:
-    block = block_of(actx.execution.plan.recipe)
+@dataclass(frozen=True)
+class RecipeRun:
+    """What the ``coldsnap:`` block of the recipe a run launches says, read from sparkrun's
+    recipe once: the block, the capsule it names, the store that keeps it."""
+
+    block: ColdsnapBlock
+    capsule: CapsuleName
+    store: CapsuleStore
+
+
+def recipe_run(actx: Any) -> RecipeRun:
+    recipe = actx.execution.plan.recipe
+    block = block_of(recipe)
+    return RecipeRun(block, capsule_name_of(recipe, block), store_for_run(actx.execution.options, recipe, block))
+
+
+def capture_request(actx: Any, block: ColdsnapBlock | None = None) -> CaptureRequest:
+    """The capture of what sparkrun placed; *block*: the recipe's ``coldsnap:`` block, when read already."""
+    block = block or block_of(actx.execution.plan.recipe)
     return CaptureRequest(
         workload=workload_of(actx, block),
         validation=validation_of(block),
@@ -237,8 +261,9 @@ def capture_request(actx: Any) -> CaptureRequest:
     )
 
 
-def restore_request(actx: Any) -> RestoreRequest:
-    block = block_of(actx.execution.plan.recipe)
+def restore_request(actx: Any, block: ColdsnapBlock | None = None) -> RestoreRequest:
+    """The restore of what sparkrun placed; *block*: the recipe's ``coldsnap:`` block, when read already."""
+    block = block or block_of(actx.execution.plan.recipe)
     opts = actx.execution.options.strategy_options or {}
     return RestoreRequest(
         workload=workload_of(actx, block),

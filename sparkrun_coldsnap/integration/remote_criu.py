@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sparkrun_coldsnap.controller.coordinated_checkpoint import UnitOnHost
+from sparkrun_coldsnap.api import UnitOnHost
 from sparkrun_coldsnap.errors import CaptureError, RestoreError, ToolError
 from sparkrun_coldsnap.integration.transport import ClusterHosts
 

@@ -16,17 +16,26 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sparkrun_coldsnap import api, controller
+from sparkrun_coldsnap import api
 from sparkrun_coldsnap.capsule.capsule import open_capsule
 from sparkrun_coldsnap.capsule.store import CapsuleStore
-from sparkrun_coldsnap.controller.units_restore import refuse_topology
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import Receipt, save_failure_receipt, save_receipt
 from sparkrun_coldsnap.documents.recipe_block import ColdsnapBlock
 from sparkrun_coldsnap.documents.request import CapsuleName, RestoreRequest
 from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, NotFoundError
 from sparkrun_coldsnap.host import paths
-from sparkrun_coldsnap.integration.placement import OPT_PLAN_INTO, OPT_RECEIPT, capsule_name, capsule_name_of, restore_request, store_for, store_for_run, workload_name
+from sparkrun_coldsnap.integration.placement import (
+    OPT_PLAN_INTO,
+    OPT_RECEIPT,
+    RecipeRun,
+    capsule_name_of,
+    model_dir_of,
+    recipe_run,
+    restore_request,
+    store_for_run,
+    workload_name,
+)
 from sparkrun_coldsnap.integration.recipe_item import block_of, source_of
 from sparkrun_coldsnap.integration.records import local_record_paths, register_local
 from sparkrun_coldsnap.lifecycle import run_hooks
@@ -84,35 +93,32 @@ class Strategy:
         # The strategy is an entry: the process's settings (read from the environment once,
         # or installed by our own CLI when it drives sparkrun in-process).
         settings = settings_mod.current()
+        run: RecipeRun | None = None
         try:
-            req = restore_request(context)
-            store = store_for(context)
-            block = block_of(context.execution.plan.recipe)
+            run = recipe_run(context)
+            store, repository = run.store, run.block.capsule.repository
             if opts.dry_run:
-                return DryRun(describe_plan(req, store, block.capsule.repository).text)
-            try:
-                store.resolve(req.capsule.ref)
-            except NotFoundError:
-                if block.capsule.repository:
-                    try:
-                        pull_capsule(block, req, store)
-                    except NotFoundError as err:
-                        if req.on_missing == "fail":
-                            raise
-                        return api.Plan(req, store, settings, vanilla_because="no capsule %s here nor in %s (%s)" % (req.capsule.ref, block.capsule.repository, err))
-                    req = restore_request(context)  # the model directory may exist now
-                elif req.on_missing == "fail":
-                    raise NotFoundError("capsule %s is not in %s and the recipe sets on_missing: fail: run `sparkrun coldsnap capture %s` first" % (req.capsule.ref, store.root, source_of(context.execution.plan.recipe))) from None
+                return DryRun(describe_plan(restore_request(context, run.block), store, repository).text)
+            missing, pull_error = _pull_if_missing(context, run)
+            req = restore_request(context, run.block)  # after the pull: the model directory may exist now
             multi = len(req.workload.topology.units) > 1
+
+            def when_missing() -> api.Plan:
+                fix = "run `sparkrun coldsnap capture %s` first" % source_of(context.execution.plan.recipe)
+                return api.when_missing(req, store, settings, asked_by="the recipe sets", fix=fix, repository=repository, pull_error=pull_error)
+
+            # One unit with on_missing: vanilla goes on: a hibernated workload comes back from its own capsule.
+            if missing and (pull_error is not None or req.on_missing == "fail"):
+                return when_missing()
             try:
-                cap = open_capsule(store, req.capsule.ref)
+                cap = None if missing else open_capsule(store, req.capsule.ref)
             except NotFoundError:
-                if multi:  # with no capsule the ranks start vanilla
-                    return api.Plan(req, store, settings, vanilla_because="no capsule %s in %s yet" % (req.capsule.ref, store.root))
                 cap = None
+            if cap is None and multi:  # with no capsule the ranks start vanilla
+                return when_missing()
             if cap is not None and (multi or len(cap.config.units) > 1):
                 # Several units, or a capsule of several: the placement must be the captured one.
-                refuse_topology(cap, req)
+                api.refuse_topology(cap, req)
             if multi:
                 from sparkrun_coldsnap.integration import unit_operations
 
@@ -126,7 +132,7 @@ class Strategy:
                 return api.Plan(req, store, settings, prepared=warm)
             plan = api.prepare(req, store=store, settings=settings, progress=Progress(), replacing=replacing)
             if plan.refused is not None:
-                _write_receipt(context, plan.refused)
+                _write_receipt(context, plan.refused, run)
             if plan.prepared is not None:
                 _say("capsule %s admitted and staged in %.1f s (before the old workload is stopped)" % (req.capsule.ref, plan.prepared.prepare_seconds))
                 if plan.prepared.held_by_replaced:
@@ -135,7 +141,7 @@ class Strategy:
         except ColdsnapError as err:
             if "req" in locals():
                 run_hooks.failed(req)
-            _write_failure_receipt(context, err)
+            _write_failure_receipt(context, err, run)
             raise RuntimeError(str(err)) from None
 
     def activate(self, context: Any, state: Any) -> Any:
@@ -147,11 +153,12 @@ class Strategy:
             return ActivationResult(rc=0, runtime_info={"coldsnap": "dry-run"})
         from sparkrun_coldsnap.integration.unit_operations import UnitsPlan
 
+        run = recipe_run(context)
         if isinstance(state, UnitsPlan):
-            return self._activate_units(context, state)
+            return self._activate_units(context, state, run)
         plan: api.Plan = state
         if len(plan.request.workload.topology.units) > 1 and plan.prepared is None:
-            return self._start_distributed(context, plan)
+            return self._start_distributed(context, plan, run)
         name = workload_name(context)
         _, log_path = local_record_paths(name)
         local = plan.request.workload.launch.executor == "local"
@@ -161,14 +168,14 @@ class Strategy:
             done = api.activate(plan, log_path=log_path, on_started=(lambda pid: _register(name, pid)) if local else None, progress=Progress(), on_note=_say)
         except ColdsnapError as err:
             run_hooks.failed(plan.request)
-            _write_failure_receipt(context, err)
+            _write_failure_receipt(context, err, run)
             raise RuntimeError(str(err)) from None
         for receipt in done.receipts:
-            _write_receipt(context, receipt)
+            _write_receipt(context, receipt, run)
         out = done.outcome
         if local:
             register_local(name, out.root_pid)  # containers carry sparkrun's name and labels instead
-        written = _write_receipt(context, out.receipt)
+        written = _write_receipt(context, out.receipt, run)
         opts = context.execution.options
         recipe = opts.recipe if isinstance(opts.recipe, str) else source_of(opts.recipe)
         run_hooks.activated(
@@ -191,7 +198,7 @@ class Strategy:
             )
         return ActivationResult(rc=0, runtime_info={"coldsnap": "restored %s" % digest, "coldsnap_ttft_s": ttft})
 
-    def _activate_units(self, context: Any, plan: Any) -> Any:
+    def _activate_units(self, context: Any, plan: Any, run: RecipeRun) -> Any:
         """Every unit restored on its host, validated through rank 0, recorded as sparkrun's ranks."""
         from sparkrun.plugins import ActivationResult
 
@@ -199,16 +206,16 @@ class Strategy:
         try:
             out = plan.activate(progress=Progress())
         except ColdsnapError as err:
-            _write_failure_receipt(context, err)
+            _write_failure_receipt(context, err, run)
             raise RuntimeError(str(err)) from None
-        _write_receipt(context, out.receipt)
+        _write_receipt(context, out.receipt, run)
         units = req.workload.topology.units
         digest = (out.receipt.capsule or "")[:19]
         _say("restored %s (%s): distributed state restored %d/%d on %s; first token through rank 0 %.2f s after the restore began, reply matches capture" % (
             req.capsule.ref, digest, len(units), len(units), ", ".join(u.host for u in sorted(units, key=lambda u: u.rank)), out.ttft_seconds or 0))  # fmt: skip
         return ActivationResult(rc=0, runtime_info={"coldsnap": "restored %s on %d hosts" % (digest, len(units)), "coldsnap_ttft_s": "%.2f" % (out.ttft_seconds or 0)})
 
-    def _start_distributed(self, context: Any, plan: api.Plan) -> Any:
+    def _start_distributed(self, context: Any, plan: api.Plan, run: RecipeRun) -> Any:
         """Every rank started on its host by the plugin (sparkrun's own native launch cannot run
         local-executor ranks: ``integration/distributed_start.py`` says why)."""
         from sparkrun.plugins import ActivationResult
@@ -220,9 +227,9 @@ class Strategy:
         try:
             done = start_distributed(context, plan.request, progress=Progress(), because=plan.vanilla_because)
         except ColdsnapError as err:
-            _write_failure_receipt(context, err)
+            _write_failure_receipt(context, err, run)
             raise RuntimeError(str(err)) from None
-        _write_receipt(context, done.receipt)
+        _write_receipt(context, done.receipt, run)
         _say("vanilla start of %d ranks answered through rank 0 after %.1f s" % (len(done.ranks), done.ttft_seconds or 0))
         return ActivationResult(rc=0, runtime_info={"coldsnap": "vanilla start of %d ranks (no capsule)" % len(done.ranks), "coldsnap_ttft_s": "%.2f" % (done.ttft_seconds or 0)})
 
@@ -266,6 +273,23 @@ def _register(name: str, pid: int) -> None:
     register_local(name, pid)
 
 
+def _pull_if_missing(context: Any, run: RecipeRun) -> tuple[bool, NotFoundError | None]:
+    """Whether the run's capsule is missing here after a pull from the recipe's repository (when it
+    names one), and why that pull found none."""
+    try:
+        run.store.resolve(run.capsule.ref)
+        return False, None
+    except NotFoundError:
+        if not run.block.capsule.repository:
+            return True, None
+    model_dir = model_dir_of(context)
+    try:
+        fetch_capsule(run.block, run.capsule, run.store, model_dir if model_dir.is_dir() else None)
+    except NotFoundError as err:
+        return True, err
+    return False, None
+
+
 def pull_step(context: Any, receipts: Mapping[str, Any]) -> dict[str, Any]:
     """sparkrun's preparation step: the capsule, if it is not here, from the recipe's repository.
 
@@ -276,7 +300,7 @@ def pull_step(context: Any, receipts: Mapping[str, Any]) -> dict[str, Any]:
     block = block_of(recipe)
     name = capsule_name_of(recipe, block)
     try:
-        store = store_for_run(context.options, recipe)
+        store = store_for_run(context.options, recipe, block)
         store.resolve(name.ref)
         return {"capsule": name.ref, "pulled": False}
     except NotFoundError:
@@ -358,7 +382,7 @@ def describe_plan(req: RestoreRequest, store: CapsuleStore, repository: str | No
         instead = "fail (on_incompatible: fail)"
     try:
         cap = open_capsule(store, req.capsule.ref)
-        problems, choice = controller.check_admission(cap, req, controller.resolve(w, settings_mod.current()))
+        problems, choice = api.admission(cap, req)
         head = "restore capsule %s (%s) from %s" % (req.capsule.ref, cap.digest[:19], store.root)
         if problems:
             what = "refuse capsule %s (%s) at admission: %s; then %s" % (req.capsule.ref, cap.digest[:19], "; ".join(problems), instead)
@@ -384,15 +408,16 @@ def describe_plan(req: RestoreRequest, store: CapsuleStore, repository: str | No
     )
 
 
-def _receipt_place(context: Any) -> tuple[Path | None, Path, str]:
+def _receipt_place(context: Any, run: RecipeRun | None) -> tuple[Path | None, Path, str]:
+    """Where a receipt of this run goes: the path asked for, else the store's receipts of the capsule."""
     explicit = (context.execution.options.strategy_options or {}).get(OPT_RECEIPT)
-    name = capsule_name(context, block_of(context.execution.plan.recipe)).name
-    return Path(explicit) if explicit else None, store_for(context).receipts, name
+    run = run or recipe_run(context)
+    return Path(explicit) if explicit else None, run.store.receipts, run.capsule.name
 
 
-def _write_receipt(context: Any, receipt: Receipt) -> Path | None:
+def _write_receipt(context: Any, receipt: Receipt, run: RecipeRun | None) -> Path | None:
     try:
-        path = save_receipt(receipt, *_receipt_place(context))
+        path = save_receipt(receipt, *_receipt_place(context, run))
     except ColdsnapError as err:
         _say("could not write the receipt: %s" % err)
         return None
@@ -400,7 +425,7 @@ def _write_receipt(context: Any, receipt: Receipt) -> Path | None:
     return path
 
 
-def _write_failure_receipt(context: Any, err: ColdsnapError) -> None:
-    path = save_failure_receipt(err, *_receipt_place(context))
+def _write_failure_receipt(context: Any, err: ColdsnapError, run: RecipeRun | None) -> None:
+    path = save_failure_receipt(err, *_receipt_place(context, run))
     if path is not None:
         _say("receipt: %s" % path)

@@ -1,6 +1,6 @@
-"""Capture and restore of a workload sparkrun placed on several hosts: the controller's
-multi-unit stories (``controller/units.py``, ``controller/units_restore.py``) run over the
-hosts sparkrun placed the launch on, through its session and its executor."""
+"""Capture and restore of a workload sparkrun placed on several hosts: the API's operations
+over several units (``api.capture_units``, ``api.prepare_units``, ``api.activate_units``) run
+over the hosts sparkrun placed the launch on, through its session and its executor."""
 
 from __future__ import annotations
 
@@ -9,11 +9,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from sparkrun_coldsnap import api
+from sparkrun_coldsnap.api import CaptureOutcome, PreparedUnits, ServingOutcome
 from sparkrun_coldsnap.capsule.store import CapsuleStore
-from sparkrun_coldsnap.controller.capture import CaptureOutcome
-from sparkrun_coldsnap.controller.common import ServingOutcome
-from sparkrun_coldsnap.controller.units import capture_units
-from sparkrun_coldsnap.controller.units_restore import PreparedUnits, activate_units, prepare_units
 from sparkrun_coldsnap.documents.request import CaptureRequest, RestoreRequest
 from sparkrun_coldsnap.integration.ranks import Ranks, executor_of
 from sparkrun_coldsnap.integration.transport import ClusterHosts, open_for
@@ -23,7 +21,7 @@ from sparkrun_coldsnap.progress import QUIET, Progress
 
 @contextlib.contextmanager
 def unit_hosts(actx: Any) -> Iterator[SparkrunUnitHosts]:
-    """The placed hosts of *actx* as the controller's unit hosts; the session closed after."""
+    """The placed hosts of *actx* as the API's unit hosts; the session closed after."""
     with open_for(actx) as hosts:
         yield hosts_of(actx, hosts)
 
@@ -38,7 +36,7 @@ def init_port(actx: Any) -> int:
 
 def capture(actx: Any, req: CaptureRequest, *, store: CapsuleStore, progress: Progress = QUIET) -> CaptureOutcome:
     with unit_hosts(actx) as hosts:
-        return capture_units(req, hosts, store=store, init_port=init_port(actx), progress=progress)
+        return api.capture_units(req, hosts, store=store, init_port=init_port(actx), progress=progress)
 
 
 @dataclass
@@ -51,7 +49,7 @@ class UnitsPlan:
 
     def activate(self, progress: Progress = QUIET) -> ServingOutcome:
         try:
-            return activate_units(self.prepared, progress=progress)
+            return api.activate_units(self.prepared, progress=progress)
         finally:
             self.session.close()
 
@@ -65,7 +63,7 @@ class UnitsPlan:
 def prepare(actx: Any, req: RestoreRequest, *, store: CapsuleStore, progress: Progress = QUIET) -> UnitsPlan:
     session = open_for(actx)
     try:
-        return UnitsPlan(prepare_units(req, hosts_of(actx, session), store=store, progress=progress), session)
+        return UnitsPlan(api.prepare_units(req, hosts_of(actx, session), store=store, progress=progress), session)
     except BaseException:
         session.close()
         raise

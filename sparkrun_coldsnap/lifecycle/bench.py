@@ -21,8 +21,8 @@ import json
 import time
 from pathlib import Path
 
+from sparkrun_coldsnap import api
 from sparkrun_coldsnap import bench as bench_mod
-from sparkrun_coldsnap import controller
 from sparkrun_coldsnap.bench import VANILLA, Sample
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.documents.receipts import Receipt
@@ -76,7 +76,7 @@ def run(req: RestoreRequest, *, recipe: str, where: verbs.Where, store: CapsuleS
             # The port and the cores are free while it is hibernated: the vanilla baseline runs now.
             if drop_cache:
                 drop_page_cache()
-            v = controller.start_vanilla(req, log_path=log_dir / ("lifecycle-vanilla-%d.log" % i), progress=progress)
+            v = api.start_vanilla(req, log_path=log_dir / ("lifecycle-vanilla-%d.log" % i), progress=progress)
             v.unit.stop()
             results.append(Sample(VANILLA, i, v.ttft_seconds or 0.0, phases=_phases(v.receipt)))
             time.sleep(1.0)

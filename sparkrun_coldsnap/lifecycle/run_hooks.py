@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from sparkrun_coldsnap import extensions
+from sparkrun_coldsnap.api import PreparedRestore
 from sparkrun_coldsnap.capsule.store import CapsuleStore
-from sparkrun_coldsnap.controller.restore import PreparedRestore
 from sparkrun_coldsnap.documents.capsule_ref import CapsuleRef
 from sparkrun_coldsnap.documents.receipts import Receipt
 from sparkrun_coldsnap.documents.request import RestoreRequest

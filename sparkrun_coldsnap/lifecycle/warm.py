@@ -33,10 +33,9 @@ from pathlib import Path
 
 import psutil
 
+from sparkrun_coldsnap.api import Attempt, PreparedRestore, Resolved, finish, open_and_admit, prepare_restore, unpack_capsule, unpacked_size
 from sparkrun_coldsnap.capsule.capsule import Capsule
 from sparkrun_coldsnap.capsule.store import CapsuleStore
-from sparkrun_coldsnap.controller.common import Attempt, Resolved, finish
-from sparkrun_coldsnap.controller.restore import PreparedRestore, open_and_admit, prepare_restore, unpack_capsule, unpacked_size
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.capsule_ref import CapsuleRef
 from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder
