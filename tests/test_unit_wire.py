@@ -162,3 +162,9 @@ def test_a_request_over_the_cap_is_answered_with_an_error_frame():
     with pytest.raises(ToolError) as err:
         remote.answer(RootStep(name="x"), done.stdout, unit="solo", host="localhost", returncode=done.returncode)
     assert err.value.code == "host.bad_request" and "over the cap" in err.value.message
+
+
+def test_a_layer_named_by_anything_but_a_digest_is_refused_before_the_host_reads_it():
+    request = {"step": "stage", "request": {"inbox": "/tmp/x", "unit": "u", "layers": [{"media_type": "m", "digest": "../../etc/passwd", "size": 1}]}}
+    frame, ok = agent.handle(framing.encode(request), LocalHost(records=None))  # type: ignore[arg-type]
+    assert not ok and "is not a sha256 digest" in framing.decode(frame)["error"]["message"]

@@ -1,6 +1,7 @@
 """The hosts of a multi-unit workload through sparkrun: its executor starts and stops the ranks,
 its transport runs each unit's typed steps (:mod:`sparkrun_coldsnap.units.steps`) on the
-unit's host, through the agent there (:mod:`sparkrun_coldsnap.integration.unit_agent`), and carries the layers between that host and the capsule store.
+unit's host, through the agent there (:mod:`sparkrun_coldsnap.integration.unit_agent`), and
+carries the layers between that host and the capsule store.
 
 What the controller's multi-unit stories ask of hosts (``launch/remote.UnitHosts``), so
 those stories never see SSH, sparkrun or the executor.

@@ -27,7 +27,7 @@ def answer[A: Answer](step: Step[A], out: bytes | str, *, unit: str, host: str, 
         raise ToolError("unit %s on host %s: %s" % (unit, host, err.message), code=err.code) from None
     except framing.NoFrame:
         what = "ssh to %s failed" % host if returncode == 255 else "exit %d" % returncode
-        raise ToolError("unit %s on host %s: step %s gave no answer (%s): %s" % (unit, host, step.verb, what, tail), code="host.bad_answer") from None
+        raise ToolError("unit %s on host %s: step %s gave no answer (%s)%s" % (unit, host, step.verb, what, ": " + tail if tail else ""), code="host.bad_answer") from None
     except framing.FrameError as err:
         raise ToolError(
             "unit %s on host %s: step %s answered with %s: install the coordinator's version of the plugin on %s" % (unit, host, step.verb, err.message, host),

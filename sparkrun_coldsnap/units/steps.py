@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from sparkrun_coldsnap.capsule.config import CapsuleConfig, ModelFile, NativePayload
 from sparkrun_coldsnap.compat.fingerprint import Fingerprint
+from sparkrun_coldsnap.digests import require_digest
 from sparkrun_coldsnap.documents.request import CaptureRequest, RestoreRequest
 from sparkrun_coldsnap.documents.strict import Strict
 from sparkrun_coldsnap.drivers.base import UnitImage
@@ -246,6 +247,12 @@ class LayerRef(Strict):
     digest: str
     size: int
     annotations: dict[str, str] = {}
+
+    @field_validator("digest")
+    @classmethod
+    def _digest(cls, value: str) -> str:
+        # It names the blob's file in the host's inbox: nothing but a digest may.
+        return require_digest(value, "layer digest")
 
 
 class StageAnswer(Answer):
