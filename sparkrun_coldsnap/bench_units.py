@@ -23,6 +23,7 @@ from sparkrun_coldsnap.documents.request import RestoreRequest
 from sparkrun_coldsnap.errors import ToolError
 from sparkrun_coldsnap.launch.remote import UnitHosts
 from sparkrun_coldsnap.progress import Progress
+from sparkrun_coldsnap.units.steps import DropPageCacheStep
 
 #: seconds given to a stopped rank's memory to go back before the next start
 SETTLE = 1.0
@@ -34,7 +35,7 @@ def drop_page_caches(hosts: UnitHosts, req: RestoreRequest) -> None:
     for u in ordered(req.workload):
         if u.host not in seen:
             seen.add(u.host)
-            hosts.agent(u, "drop_page_cache", {}, timeout=300)
+            hosts.call(u, DropPageCacheStep(), timeout=300)
 
 
 def _stop(hosts: UnitHosts) -> None:

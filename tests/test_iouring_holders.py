@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from fakes.fake_unit_hosts import FakeUnitHosts
 
 from sparkrun_coldsnap.errors import CaptureError
 from sparkrun_coldsnap.host import iouring
@@ -94,20 +95,19 @@ def test_a_hold_whose_coordinator_cannot_be_seen_from_here_counts_until_let_go(s
     assert let_go("coordinator-5") == "0" and value() == "0"
 
 
-class AnswerLost:
-    """Unit hosts whose agent takes the hold but whose answer never arrives."""
+class AnswerLost(FakeUnitHosts):
+    """Unit hosts (this machine, over the real wire) whose agent takes the hold but whose answer never arrives."""
 
     def __init__(self):
+        super().__init__()
         self.calls: list[str] = []
 
-    def agent(self, unit, op, doc, timeout):
-        from sparkrun_coldsnap.integration import unit_agent
-
-        self.calls.append(op)
-        getattr(unit_agent, op)(doc)
-        if op == "io_uring_off":
+    def call(self, unit, step, *, timeout=900.0):
+        self.calls.append(step.verb)
+        answer = super().call(unit, step, timeout=timeout)
+        if step.verb == "io_uring_off":
             raise CaptureError("no answer from %s within %d s" % (unit.host, timeout))
-        return {}
+        return answer
 
 
 def test_a_hold_taken_whose_answer_was_lost_is_let_go(switch_on):

@@ -3,7 +3,7 @@ a workload on several hosts, and what a failure on one host does to every host.
 
 The controller's real steps run here (``coordinated_checkpoint``, ``coordinated_restore`` and
 the agent-backed steps of ``controller/units_agent.py``) over ``FakeHosts``: two FAKE hosts
-whose agent verbs call the n610 driver's own per-host functions (``drivers/cuda_units.py``)
+whose steps, over the real wire, call the n610 driver's own per-host functions (``drivers/cuda_units.py``)
 on a FAKE of the checkpoint API per host. The fake is as strict as the driver in what
 matters to the order: illegal transitions fail (``FakeCheckpointApi``), and a process that is
 stopped (SIGSTOP) answers no call, since the driver's calls are carried out by the process's
@@ -14,6 +14,7 @@ bindings in ``test_two_node_gpu.py``.
 from __future__ import annotations
 
 import pytest
+from fakes.fake_unit_hosts import FakeUnitHosts, NoRecords
 from test_cuda_checkpoint import FakeCheckpointApi
 
 from sparkrun_coldsnap.controller.coordinated_checkpoint import UnitOnHost, checkpoint_units
@@ -22,7 +23,11 @@ from sparkrun_coldsnap.controller.units_agent import AgentCut, AgentDevices, Age
 from sparkrun_coldsnap.documents.request import LaunchUnit
 from sparkrun_coldsnap.drivers import cuda_checkpoint, cuda_units
 from sparkrun_coldsnap.drivers.base import UnitImage
-from sparkrun_coldsnap.errors import CaptureError, RestoreError, ToolError
+from sparkrun_coldsnap.errors import CaptureError, RestoreError
+from sparkrun_coldsnap.units import framing
+from sparkrun_coldsnap.units.local import LocalHost
+from sparkrun_coldsnap.units.step import Empty
+from sparkrun_coldsnap.units.steps import DevicesLockAnswer, DumpAnswer, ProblemsAnswer, RestoreAnswer
 
 # Each host runs one unit: its root (the API server or the headless launcher) and a rank, each
 # with a CUDA context, as a tensor-parallel engine with one rank per host has.
@@ -55,74 +60,94 @@ class HostApi(FakeCheckpointApi):
             raise cuda_checkpoint.CudaCallHung("no answer to %s of process %d: it is stopped" % (op, pid))
 
 
-class FakeHosts:
-    """Two FAKE hosts as ``UnitHosts``: each agent verb the steps use, on that host's fake API,
-    every call logged as (what, host) in one order."""
+class FakeHosts(FakeUnitHosts):
+    """Two FAKE hosts as ``UnitHosts`` over the real wire (``fakes/fake_unit_hosts.py``): each
+    step the cut uses carried out on that host's fake API, every call logged as (what, host)
+    in one order."""
 
     def __init__(self, *, fail_verb: tuple[str, str] | None = None, dead: str | None = None, **api_failures):
+        super().__init__()
         self.api = {h: HostApi(p, fail=api_failures.get(h)) for h, p in PIDS.items()}
-        self.log: list[tuple[str, str]] = []
         self.fail_verb = fail_verb  # (verb, host): the agent answers an error there
         self.dead = dead  # a host that stops answering at its first device step
         self.held: dict[str, bool] = {}  # whether the host holds back its unit's connections
+        self.leave_running = False  # a cut whose dumps leave the trees running
 
-    def agent(self, unit, verb, doc, *, timeout=900.0):
-        host, api = unit.host, self.api[unit.host]
-        self.log.append((verb, host))
-        if self.dead == host and verb.startswith("devices_"):
-            raise ToolError("unit %s on host %s: step %s gave no answer (ssh to %s failed)" % (unit.name, host, verb, host))
-        if self.fail_verb == (verb, host):
-            raise ToolError("unit %s on host %s: criu dump of pid %d failed: killed" % (unit.name, host, PIDS[host][0]))
-        try:
-            return self._carry_out(verb, doc, host, api)
-        except (CaptureError, RestoreError) as err:
-            raise ToolError("unit %s on host %s: %s" % (unit.name, host, err.message)) from err
+    def host_end(self, unit, request):
+        verb = framing.decode(request)["step"]
+        if self.dead == unit.host and verb.startswith("devices_"):
+            return 255, b""  # ssh's own failure: nothing came back
+        if self.fail_verb == (verb, unit.host):
+            return self.error("capture.failed", "criu dump of pid %d failed: killed" % PIDS[unit.host][0])
+        return super().host_end(unit, request)
 
-    def _carry_out(self, verb, doc, host, api):
-        if verb == "devices_lock":
-            cuda_checkpoint.lock_all(api, PIDS[host])
-            return {"data": {"cuda_pids": PIDS[host], "gpu_uuids": ["GPU-%s" % host], "host_gpu_uuids": ["GPU-%s" % host]}}
-        if verb == "devices_checkpoint":
-            cuda_units.checkpoint(api, doc["data"])
-            return {}
-        if verb == "devices_resume":
-            data = doc["data"] if doc["data"].get("cuda_pids") else {**doc["data"], "cuda_pids": PIDS[host]}
-            return {"problems": cuda_units.resume(api, data, state=doc["state"])}
-        if verb == "devices_restore":
-            api.uuids = lambda h=host: ["GPU-%s" % h]  # type: ignore[method-assign]
-            cuda_units.restore(api, doc["data"], visible=doc.get("visible"))
-            return {}
-        if verb == "devices_unlock":
-            cuda_units.unlock(api, doc["data"])
-            return {}
-        if verb in ("network_lock", "network_unlock"):
-            assert doc["connections"] == image(host).driver_data["peer_tcp"]
-            self.held[host] = verb == "network_lock"
-            return {} if verb == "network_lock" else {"problems": []}
-        if verb == "dump":
-            api.gone = not doc.get("leave_running")  # a capture's dump ends the tree
-            return {"image": image(host).model_dump(mode="json")}
-        if verb == "restore":  # CRIU: the tree back, stopped at the cut, its processes checkpointed
-            api.gone, api.stopped = False, True
-            api.states = dict.fromkeys(PIDS[host], "checkpointed")
-            return {"pid": PIDS[host][0]}
-        if verb == "remove":
-            return {}
-        raise AssertionError("verb %s is not one the cut uses" % verb)
+    def host(self, unit):
+        return GpuHost(self, unit.host)
 
     def signal_group(self, unit, pid, signal):
-        self.log.append((signal, unit.host))
+        super().signal_group(unit, pid, signal)
         if signal in ("STOP", "CONT"):
             self.api[unit.host].stopped = signal == "STOP"
 
-    def adopt(self, unit, pid):
-        self.log.append(("adopt", unit.host))
-
-    def rank_name(self, unit):
-        return "cluster_node_%d" % unit.rank
-
     def states(self) -> dict[str, list[str]]:
         return {h: [api.states[p] for p in PIDS[h]] for h, api in self.api.items()}
+
+
+class GpuHost(LocalHost):
+    """One FAKE host's end of the steps the cut uses, on its fake API."""
+
+    USED = {"devices_lock", "devices_checkpoint", "devices_resume", "devices_restore", "devices_unlock", "network_lock", "network_unlock", "dump", "restore", "remove"}
+
+    def __init__(self, hosts: FakeHosts, host: str):
+        super().__init__(NoRecords())
+        self.hosts, self.name, self.api = hosts, host, hosts.api[host]
+
+    def run(self, step):
+        assert step.verb in self.USED, "step %s is not one the cut uses" % step.verb
+        return super().run(step)
+
+    def devices_lock(self, step):
+        cuda_checkpoint.lock_all(self.api, PIDS[self.name])
+        return DevicesLockAnswer(data={"cuda_pids": PIDS[self.name], "gpu_uuids": ["GPU-%s" % self.name], "host_gpu_uuids": ["GPU-%s" % self.name]})
+
+    def devices_checkpoint(self, step):
+        cuda_units.checkpoint(self.api, step.data)
+        return Empty()
+
+    def devices_resume(self, step):
+        data = step.data if step.data.get("cuda_pids") else {**step.data, "cuda_pids": PIDS[self.name]}
+        return ProblemsAnswer(problems=tuple(cuda_units.resume(self.api, data, state=step.state)))
+
+    def devices_restore(self, step):
+        self.api.uuids = lambda h=self.name: ["GPU-%s" % h]  # type: ignore[method-assign]
+        cuda_units.restore(self.api, step.data, visible=step.visible)
+        return Empty()
+
+    def devices_unlock(self, step):
+        cuda_units.unlock(self.api, step.data)
+        return Empty()
+
+    def network_lock(self, step):
+        assert [list(c) for c in step.connections] == image(self.name).driver_data["peer_tcp"]
+        self.hosts.held[self.name] = True
+        return Empty()
+
+    def network_unlock(self, step):
+        assert [list(c) for c in step.connections] == image(self.name).driver_data["peer_tcp"]
+        self.hosts.held[self.name] = False
+        return ProblemsAnswer(problems=())
+
+    def dump(self, step):
+        self.api.gone = not (step.leave_running or self.hosts.leave_running)  # a capture's dump ends the tree
+        return DumpAnswer(image=image(self.name))
+
+    def restore(self, step):  # CRIU: the tree back, stopped at the cut, its processes checkpointed
+        self.api.gone, self.api.stopped = False, True
+        self.api.states = dict.fromkeys(PIDS[self.name], "checkpointed")
+        return RestoreAnswer(pid=PIDS[self.name][0])
+
+    def remove(self, step):
+        return Empty()
 
 
 def image(host: str) -> UnitImage:
@@ -181,12 +206,7 @@ def test_a_dump_that_fails_on_one_host_continues_that_unit_then_puts_its_cuda_pr
 def test_a_dump_that_fails_on_one_host_resumes_every_cuda_process_on_every_host_when_the_cut_leaves_them_running():
     hosts = FakeHosts(fail_verb=("dump", "b"))
     hosts.api["a"].gone = False
-    original = hosts._carry_out
-
-    def leave_running(verb, doc, host, api):  # a cut whose dumps leave the trees running
-        return original(verb, {**doc, "leave_running": True}, host, api)
-
-    hosts._carry_out = leave_running  # type: ignore[method-assign]
+    hosts.leave_running = True  # a cut whose dumps leave the trees running
     with pytest.raises(CaptureError, match="every unit was resumed as it was with its devices back to running and nothing was kept$"):
         cut(hosts, resume=True)
     assert hosts.states() == {"a": ["running", "running"], "b": ["running", "running"]}

@@ -57,6 +57,7 @@ from sparkrun_coldsnap.host.file_drift import RecordedFile
 from sparkrun_coldsnap.host.threads import ContextPool
 from sparkrun_coldsnap.launch.remote import UnitHosts
 from sparkrun_coldsnap.progress import QUIET, Progress
+from sparkrun_coldsnap.units.steps import CaptureFactsStep, FilesStep, InboxStep, IoUringBackStep, IoUringOffStep, PackStep, RemoveStep
 from sparkrun_coldsnap.weights import model_files, weight_paths
 
 
@@ -106,12 +107,12 @@ def _io_uring_off(hosts: UnitHosts, units: Sequence[LaunchUnit]):
     try:
         for u in units:
             asked.append(u)  # before the call: one that took the hold but whose answer was lost is let go too
-            hosts.agent(u, "io_uring_off", {"token": token, "coordinator": by}, timeout=60)
+            hosts.call(u, IoUringOffStep(token=token, coordinator=by), timeout=60)
         yield
     finally:
         for u in reversed(asked):
             with contextlib.suppress(ColdsnapError):
-                hosts.agent(u, "io_uring_back", {"token": token}, timeout=60)
+                hosts.call(u, IoUringBackStep(token=token), timeout=60)
 
 
 Launch = Callable[[LaunchUnit], tuple[str, dict[str, str]]]
@@ -257,15 +258,15 @@ def capture_launches(r: Resolved, w: Workload, units: Sequence[LaunchUnit], rb: 
 def _capture_facts(req: CaptureRequest, r: Resolved, hosts: UnitHosts, units: list[LaunchUnit]) -> Fingerprint:
     """Every host can capture with the driver and sees the workload as rank 0's host does; rank
     0's fingerprint, the one the capsule records (every host's admission compares its own)."""
-    doc = {"request": req.model_dump(mode="json")}
-    answers = _parallel(units, lambda u: hosts.agent(u, "capture_facts", doc, timeout=300))
-    refused = ["host %s (unit %s): %s" % (u.host, u.name, answers[u.name]["reason"]) for u in units if not answers[u.name]["supported"]]
+    step = CaptureFactsStep(request=req)
+    answers = _parallel(units, lambda u: hosts.call(u, step, timeout=300))
+    refused = ["host %s (unit %s): %s" % (u.host, u.name, answers[u.name].reason) for u in units if not answers[u.name].supported]
     if refused:
         raise CaptureError("snapshot driver %s cannot capture on %s" % (r.driver.name, "; ".join(refused)))
-    head = Fingerprint.model_validate(answers[units[0].name]["fingerprint"])
+    head: Fingerprint = answers[units[0].name].fingerprint
     differ = []
     for u in units[1:]:
-        mismatches = compare(head, Fingerprint.model_validate(answers[u.name]["fingerprint"]))
+        mismatches = compare(head, answers[u.name].fingerprint)
         if mismatches:
             differ.append("host %s (unit %s): %s" % (u.host, u.name, "; ".join(str(m) for m in mismatches)))
     if differ:
@@ -294,9 +295,9 @@ def _checkpoint(
     each host's scratch directory, removed when the operation ends)."""
     roots = {u.name: hosts.root_pid(u) for u in units}
     with rb.phase("record_files"):
-        answers = _parallel(units, lambda u: hosts.agent(u, "files", {"root_pid": roots[u.name], "name": hosts.rank_name(u)}))
-    files = {name: tuple(RecordedFile.model_validate(f) for f in a["files"]) for name, a in answers.items()}
-    scratch = {u.name: hosts.agent(u, "inbox", {})["path"] for u in units}
+        answers = _parallel(units, lambda u: hosts.call(u, FilesStep(root_pid=roots[u.name], name=hosts.rank_name(u))))
+    files = {name: a.files for name, a in answers.items()}
+    scratch = {u.name: hosts.call(u, InboxStep()).path for u in units}
     cleanups.append(lambda: _remove(hosts, units, scratch))
     targets = [UnitOnHost(u.name, u.host, roots[u.name], scratch[u.name] + "/images") for u in units]
     devices = AgentDevices(hosts, by_name, r.driver.name) if r.driver.device_state else None
@@ -315,7 +316,7 @@ def _remove(hosts: UnitHosts, units: Sequence[LaunchUnit], dirs: dict[str, str])
     for u in units:
         if dirs.get(u.name):
             with contextlib.suppress(ColdsnapError):
-                hosts.agent(u, "remove", {"paths": [dirs[u.name]]}, timeout=300)
+                hosts.call(u, RemoveStep(paths=(dirs[u.name],)), timeout=300)
 
 
 def _gather(
@@ -324,18 +325,18 @@ def _gather(
 ) -> dict[str, tuple[list[PackedLayer], int]]:  # fmt: skip
     """Each host packs its unit's layers; they are copied into *staging* with their digests checked."""
     with rb.phase("pack"), progress.waiting("packing each unit's layers on its host"):
-        packed = _parallel(units, lambda u: hosts.agent(u, "pack", {
-            "images": scratch[u.name] + "/images", "unit": u.name, "out": scratch[u.name] + "/layers", "driver": req.workload.driver, "zero_pages": zero_pages,
-        }, timeout=1800))  # fmt: skip
+        packed = _parallel(units, lambda u: hosts.call(u, PackStep(
+            images=scratch[u.name] + "/images", unit=u.name, out=scratch[u.name] + "/layers", driver=req.workload.driver, zero_pages=zero_pages,
+        ), timeout=1800))  # fmt: skip
     out: dict[str, tuple[list[PackedLayer], int]] = {}
-    total = sum(layer["size"] for a in packed.values() for layer in a["layers"])
+    total = sum(layer.size for a in packed.values() for layer in a.layers)
     with rb.phase("gather"), progress.transfer("gathering %.1f MB of layers from %d hosts" % (total / 1e6, len(units)), total) as tick:
         for u in units:
             mine = []
-            for layer in packed[u.name]["layers"]:
-                local = staging / Path(layer["path"]).name
-                hosts.fetch(u, layer["path"], local, digest=layer["digest"], size=layer["size"], tick=tick)
-                mine.append(PackedLayer(path=local, digest=layer["digest"], size=layer["size"], media_type=layer["media_type"], annotations=dict(layer["annotations"])))
-            out[u.name] = (mine, int(packed[u.name]["image_bytes"]))
-    rb.details["zero_pages"] = {name: a.get("zero_pages") for name, a in packed.items()}
+            for layer in packed[u.name].layers:
+                local = staging / Path(layer.path).name
+                hosts.fetch(u, layer.path, local, digest=layer.digest, size=layer.size, tick=tick)
+                mine.append(PackedLayer(path=local, digest=layer.digest, size=layer.size, media_type=layer.media_type, annotations=dict(layer.annotations)))
+            out[u.name] = (mine, packed[u.name].image_bytes)
+    rb.details["zero_pages"] = {name: a.zero_pages for name, a in packed.items()}
     return out

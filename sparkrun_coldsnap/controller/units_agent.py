@@ -1,9 +1,9 @@
 """The coordinated checkpoint's and restore's steps, each on the unit's host through its agent.
 
 ``coordinated_checkpoint`` and ``coordinated_restore`` say in which order the steps run over
-the units; these classes say how one step reaches one unit: a verb of
-``integration/unit_agent.py`` run on the unit's host (``UnitHosts.agent``), or a signal to the
-unit's process group there. A failure names the step, the unit and its host in one line.
+the units; these classes say how one step reaches one unit: a typed step of
+``units/steps.py`` run on the unit's host (``UnitHosts.call``), or a signal to the unit's
+process group there. A failure names the step, the unit and its host in one line.
 """
 
 from __future__ import annotations
@@ -15,6 +15,19 @@ from sparkrun_coldsnap.documents.request import LaunchUnit
 from sparkrun_coldsnap.drivers.base import UnitImage
 from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, RestoreError
 from sparkrun_coldsnap.launch.remote import UnitHosts
+from sparkrun_coldsnap.units.step import Answer, Step
+from sparkrun_coldsnap.units.steps import (
+    DevicesCheckpointStep,
+    DevicesLockStep,
+    DevicesRestoreStep,
+    DevicesResumeStep,
+    DevicesUnlockStep,
+    DumpStep,
+    NetworkLockStep,
+    NetworkUnlockStep,
+    RemoveStep,
+    RestoreStep,
+)  # fmt: skip
 
 #: seconds an agent may take for one device step: a lock waits for work in flight (its own
 #: timeout, per process), a checkpoint or restore copies device memory (minutes for large ones)
@@ -34,15 +47,14 @@ class AgentCut:
         self.hosts.signal_group(self.units[u.unit], u.root_pid, "CONT")
 
     def dump(self, u: UnitOnHost) -> UnitImage:
-        doc = {"root_pid": u.root_pid, "images": u.images, "unit": u.unit, "host": u.host, "driver": self.driver}
+        step = DumpStep(root_pid=u.root_pid, images=u.images, unit=u.unit, host=u.host, driver=self.driver)
         try:
-            answer = self.hosts.agent(self.units[u.unit], "dump", doc, timeout=1800)
+            return self.hosts.call(self.units[u.unit], step, timeout=1800).image
         except ColdsnapError as err:
             raise CaptureError("dumping %s" % err.message) from err
-        return UnitImage.model_validate(answer["image"])
 
     def discard(self, u: UnitOnHost) -> None:
-        self.hosts.agent(self.units[u.unit], "remove", {"paths": [u.images]}, timeout=300)
+        self.hosts.call(self.units[u.unit], RemoveStep(paths=(u.images,)), timeout=300)
 
 
 class AgentDevices:
@@ -53,25 +65,25 @@ class AgentDevices:
         self.hosts, self.units, self.driver = hosts, units, driver
         self.data: dict[str, dict[str, Any]] = {}
 
-    def _step(self, unit: LaunchUnit, verb: str, doc: dict[str, Any], what: str) -> dict[str, Any]:
+    def _step[A: Answer](self, unit: LaunchUnit, step: Step[A], what: str) -> A:
         try:
-            return self.hosts.agent(unit, verb, {"driver": self.driver, **doc}, timeout=DEVICE_STEP_SECONDS[verb])
+            return self.hosts.call(unit, step, timeout=DEVICE_STEP_SECONDS[step.verb])
         except ColdsnapError as err:
             raise CaptureError("%s %s" % (what, err.message)) from err
 
     def lock(self, u: UnitOnHost) -> dict[str, Any]:
-        data = dict(self._step(self.units[u.unit], "devices_lock", {"root_pid": u.root_pid}, "locking the devices of")["data"])
+        data = dict(self._step(self.units[u.unit], DevicesLockStep(driver=self.driver, root_pid=u.root_pid), "locking the devices of").data)
         self.data[u.unit] = data
         return data
 
     def checkpoint(self, u: UnitOnHost) -> None:
-        self._step(self.units[u.unit], "devices_checkpoint", {"data": self.data[u.unit]}, "checkpointing the devices of")
+        self._step(self.units[u.unit], DevicesCheckpointStep(driver=self.driver, data=self.data[u.unit]), "checkpointing the devices of")
 
     def put_back(self, u: UnitOnHost, state: str) -> list[str]:
         # A unit whose lock did not answer has no record here: its host finds the tree's
         # device users again from the root (a lock never closes their device files).
         data = {"root_pid": u.root_pid, **self.data.get(u.unit, {})}
-        return [str(p) for p in self._step(self.units[u.unit], "devices_resume", {"data": data, "state": state}, "putting back the devices of")["problems"]]
+        return list(self._step(self.units[u.unit], DevicesResumeStep(driver=self.driver, data=data, state=state), "putting back the devices of").problems)
 
 
 class AgentRestore:
@@ -84,30 +96,34 @@ class AgentRestore:
         self.details: dict[str, dict[str, Any]] = {}
 
     def restore(self, u: LaunchUnit) -> int:
-        doc = {"image": self.images[u.name].model_dump(mode="json"), "images": self.staged[u.name], "name": self.hosts.rank_name(u)}
+        step = RestoreStep(image=self.images[u.name], images=self.staged[u.name], name=self.hosts.rank_name(u))
         try:
-            answer = self.hosts.agent(u, "restore", doc, timeout=1800)
+            answer = self.hosts.call(u, step, timeout=1800)
         except ColdsnapError as err:
             raise RestoreError("restoring %s" % err.message) from err
-        self.details[u.name] = dict(answer.get("details") or {})
-        return int(answer["pid"])
+        self.details[u.name] = dict(answer.details)
+        return answer.pid
 
-    def _network_step(self, u: LaunchUnit, verb: str, what: str) -> None:
-        held = self.images[u.name].driver_data.get("peer_tcp")
+    def _network_step(self, u: LaunchUnit, lock: bool, what: str) -> None:
+        held = tuple(tuple(c) for c in self.images[u.name].driver_data.get("peer_tcp") or ())
         if not held:
             return  # no connection to another host's unit
         try:
-            problems = self.hosts.agent(u, verb, {"connections": held}, timeout=300).get("problems")
+            if lock:
+                self.hosts.call(u, NetworkLockStep(connections=held), timeout=300)
+                problems: tuple[str, ...] = ()
+            else:
+                problems = self.hosts.call(u, NetworkUnlockStep(connections=held), timeout=300).problems
         except ColdsnapError as err:
             raise RestoreError("%s %s" % (what, err.message)) from err
         if problems:
             raise RestoreError("%s unit %s on host %s: %s" % (what, u.name, u.host, "; ".join(problems)))
 
     def lock_network(self, u: LaunchUnit) -> None:
-        self._network_step(u, "network_lock", "holding back the connections of")
+        self._network_step(u, True, "holding back the connections of")
 
     def unlock_network(self, u: LaunchUnit) -> None:
-        self._network_step(u, "network_unlock", "letting through the connections of")
+        self._network_step(u, False, "letting through the connections of")
 
     def adopt(self, u: LaunchUnit, root: int) -> None:
         self.hosts.adopt(u, root)
@@ -115,17 +131,17 @@ class AgentRestore:
     def resume(self, u: LaunchUnit, root: int) -> None:
         self.hosts.signal_group(u, root, "CONT")
 
-    def _device_step(self, u: LaunchUnit, verb: str, what: str, **extra: Any) -> None:
-        doc = {"driver": self.driver, "data": self.images[u.name].driver_data, **extra}
+    def _device_step[A: Answer](self, u: LaunchUnit, step: Step[A], what: str) -> None:
         try:
-            self.hosts.agent(u, verb, doc, timeout=DEVICE_STEP_SECONDS[verb])
+            self.hosts.call(u, step, timeout=DEVICE_STEP_SECONDS[step.verb])
         except ColdsnapError as err:
             raise RestoreError("%s %s" % (what, err.message)) from err
 
     def restore_devices(self, u: LaunchUnit) -> None:
         # The GPUs placement gave the unit on its host, when it named them (the CUDA_VISIBLE_DEVICES
         # its rank is started with); else the host's own setting picks them.
-        self._device_step(u, "devices_restore", "restoring the devices of", visible=",".join(u.devices) or None)
+        step = DevicesRestoreStep(driver=self.driver, data=self.images[u.name].driver_data, visible=",".join(u.devices) or None)
+        self._device_step(u, step, "restoring the devices of")
 
     def unlock_devices(self, u: LaunchUnit) -> None:
-        self._device_step(u, "devices_unlock", "unlocking the devices of")
+        self._device_step(u, DevicesUnlockStep(driver=self.driver, data=self.images[u.name].driver_data), "unlocking the devices of")

@@ -25,6 +25,7 @@ from sparkrun_coldsnap.documents.settings import Settings
 from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, RestoreError, ValidationError
 from sparkrun_coldsnap.launch.remote import UnitHosts
 from sparkrun_coldsnap.progress import QUIET, Progress
+from sparkrun_coldsnap.units.steps import AdmitStep, InboxStep, LayerRef, RemoveStep, StageStep
 from sparkrun_coldsnap.weights.weight_paths import WeightChoice
 
 
@@ -49,7 +50,7 @@ class PreparedUnits:
             where = self.staged.pop(u.name, None)
             if where:
                 try:
-                    self.hosts.agent(u, "remove", {"paths": [where["staging"]]}, timeout=300)
+                    self.hosts.call(u, RemoveStep(paths=(where["staging"],)), timeout=300)
                 except ColdsnapError:
                     pass  # the host's next operation (or gc) frees it
 
@@ -111,9 +112,8 @@ def prepare_units(req: RestoreRequest, hosts: UnitHosts, *, store: CapsuleStore,
 def _admit_everywhere(cap: Capsule, req: RestoreRequest, hosts: UnitHosts, units: list[LaunchUnit]) -> WeightChoice | None:
     """Every unit admitted on its host (its GPUs, its PIDs, its files, its part of the weights);
     the one weight path every host can take."""
-    config, request = cap.config.model_dump(mode="json"), req.model_dump(mode="json")
-    answers = _parallel(units, lambda u: hosts.agent(u, "admit", {"config": config, "request": request, "unit": u.name, "pattern": hosts.rank_pattern(u)}, timeout=300))
-    refused = ["unit %s on host %s: %s" % (u.name, u.host, "; ".join(answers[u.name]["problems"])) for u in units if answers[u.name]["problems"]]
+    answers = _parallel(units, lambda u: hosts.call(u, AdmitStep(config=cap.config, request=req, unit=u.name, pattern=hosts.rank_pattern(u)), timeout=300))
+    refused = ["unit %s on host %s: %s" % (u.name, u.host, "; ".join(answers[u.name].problems)) for u in units if answers[u.name].problems]
     if refused:
         raise CompatibilityError("admission refused for capsule %s: %s" % (req.capsule.ref, " | ".join(refused)))
     return units_weights.choose(req, units, answers)
@@ -123,11 +123,12 @@ def _stage(store: CapsuleStore, cap: Capsule, hosts: UnitHosts, u: LaunchUnit) -
     layers = [d for d in cap.layers if (d.annotations or {}).get(media.A_UNIT) == u.name]
     if not layers:
         raise RestoreError("capsule %s holds no layers of unit %s: recapture" % (cap.ref or cap.digest, u.name))
-    inbox = hosts.agent(u, "inbox", {}, timeout=60)
-    hosts.send(u, [store.blob_path(d.digest) for d in layers], inbox["blobs"])
+    inbox = hosts.call(u, InboxStep(), timeout=60)
+    hosts.send(u, [store.blob_path(d.digest) for d in layers], inbox.blobs)
     unpacked = sum(int((d.annotations or {}).get(media.A_UNPACKED_SIZE, d.size)) for d in layers)
-    answer = hosts.agent(u, "stage", {"inbox": inbox["path"], "layers": [d.to_json() for d in layers], "unit": u.name, "unpacked_bytes": unpacked}, timeout=1800)
-    return {"staging": str(answer["staging"]), "images": str(answer["images"])}
+    refs = tuple(LayerRef(media_type=d.media_type, digest=d.digest, size=d.size, annotations=d.annotations or {}) for d in layers)
+    answer = hosts.call(u, StageStep(inbox=inbox.path, layers=refs, unit=u.name, unpacked_bytes=unpacked), timeout=1800)
+    return {"staging": answer.staging, "images": answer.images}
 
 
 def activate_units(prepared: PreparedUnits, *, progress: Progress = QUIET) -> ServingOutcome:

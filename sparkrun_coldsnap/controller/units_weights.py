@@ -12,9 +12,8 @@ from __future__ import annotations
 import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
-from sparkrun_coldsnap.capsule.config import CapsuleConfig, ModelFile, NativePayload
+from sparkrun_coldsnap.capsule.config import CapsuleConfig, NativePayload
 from sparkrun_coldsnap.controller.common import Resolved
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder, Weights
 from sparkrun_coldsnap.documents.request import CaptureRequest, LaunchUnit, RestoreRequest
@@ -22,6 +21,7 @@ from sparkrun_coldsnap.engines.base import Endpoint
 from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, CompatibilityError, EngineError
 from sparkrun_coldsnap.launch.remote import UnitHosts
 from sparkrun_coldsnap.progress import Progress
+from sparkrun_coldsnap.units.steps import AdmitAnswer, NativePartStep, NativePlaceStep, NativeStagingStep, RemoveStep
 from sparkrun_coldsnap.weights import native_parts, weight_paths
 
 
@@ -35,21 +35,21 @@ def export_native(
     try:
         with rb.phase("native_export"), progress.waiting("writing the native weight payload on every host"):
             token = secrets.token_hex(8)
-            staged = {u.name: str(hosts.agent(u, "native_staging", {"token": token}, timeout=60)["path"]) for u in units}
+            staged = {u.name: hosts.call(u, NativeStagingStep(token=token), timeout=60).path for u in units}
             where = sorted(set(staged.values()))
             if len(where) != 1:
                 raise EngineError("the hosts keep native payloads under different paths (%s): the engine hands every rank one path; give every host the same COLDSNAP_HOME" % ", ".join(where))
             reports = r.adapter.export_native(endpoint, where[0])
-            parts = {u.name: tuple(ModelFile.model_validate(f) for f in hosts.agent(u, "native_part", {"path": staged[u.name]}, timeout=900)["files"]) for u in units}
+            parts = {u.name: hosts.call(u, NativePartStep(path=staged[u.name]), timeout=900).files for u in units}
             record = native_parts.combine(parts)
             for u in units:  # one host after another: hosts that share a filesystem share the staging directory
                 names = [f.name for f in parts[u.name]]
-                hosts.agent(u, "native_place", {"path": staged[u.name], "record": record.model_dump(mode="json"), "names": names}, timeout=300)
+                hosts.call(u, NativePlaceStep(path=staged[u.name], record=record, names=tuple(names)), timeout=300)
     except ColdsnapError as err:
         for u in units:
             if u.name in staged:
                 try:
-                    hosts.agent(u, "remove", {"paths": [staged[u.name]]}, timeout=300)
+                    hosts.call(u, RemoveStep(paths=(staged[u.name],)), timeout=300)
                 except ColdsnapError:
                     pass  # a staging directory left under the payload root is ignored and freed by gc
         if req.workload.weights == "native":
@@ -62,21 +62,21 @@ def export_native(
     return record, {name: [f.name for f in held] for name, held in parts.items()}
 
 
-def choose(req: RestoreRequest, units: Sequence[LaunchUnit], answers: Mapping[str, Mapping[str, Any]]) -> weight_paths.WeightChoice | None:
+def choose(req: RestoreRequest, units: Sequence[LaunchUnit], answers: Mapping[str, AdmitAnswer]) -> weight_paths.WeightChoice | None:
     """One weight path for every unit, from what each host's admission found there (None: the
     weights are in the images). Native only when every host holds its part, at one path."""
-    found = {u.name: answers[u.name].get("weights") for u in units}
+    found = {u.name: answers[u.name].weights for u in units}
     if all(f is None for f in found.values()):
         return None
-    if all(f and f["path"] == "native" for f in found.values()):
-        dirs = sorted({str(f["native_dir"]) for f in found.values() if f})
+    if all(f and f.path == "native" for f in found.values()):
+        dirs = sorted({str(f.native_dir) for f in found.values() if f})
         if len(dirs) == 1:
             return weight_paths.WeightChoice("native", Path(dirs[0]))
         why = "the hosts hold the native payload under different paths (%s) and the engine hands every rank one path" % ", ".join(dirs)
         if req.workload.weights == "native":
             raise CompatibilityError("weights: native: %s; give every host the same COLDSNAP_HOME, or restore with weights: auto or recovery" % why)
         return weight_paths.WeightChoice("recovery", note=why)
-    notes = ["unit %s on host %s: %s" % (u.name, u.host, f["note"]) for u in units if (f := found[u.name]) and f.get("note")]
+    notes = ["unit %s on host %s: %s" % (u.name, u.host, f.note) for u in units if (f := found[u.name]) and f.note]
     return weight_paths.WeightChoice("recovery", note=notes[0] if notes else None)
 
 

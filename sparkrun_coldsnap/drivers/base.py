@@ -95,7 +95,7 @@ class SnapshotDriver(ABC):
     #: recipe's port may differ from the captured one (it is forwarded).
     own_namespaces: ClassVar[bool] = False
     #: a workload placed on several hosts can be captured and restored with this driver: each
-    #: unit's steps run on its own host (``integration/unit_agent.py``) around one cut across
+    #: unit's steps run on its own host (``units/agent.py``) around one cut across
     #: every host (``controller/coordinated_checkpoint.py``).
     across_hosts: ClassVar[bool] = False
     #: besides the process images, the unit has device state that the driver's own calls move
@@ -203,6 +203,14 @@ class SnapshotDriver(ABC):
         takes it over and removes it when done, and says so in the result.
         *warm* is what ``warm_up`` returned; the restore owns it from then on.
         """
+
+    def dump_at_cut(self, root_pid: int, images: Path, *, unit: str, host: str, progress: Progress, leave_running: bool = False) -> UnitImage:
+        """Dump the stopped tree at *root_pid* into *images* at a cut across hosts
+        (``across_hosts``), its connections to the other hosts' units included; the tree is
+        gone afterwards unless *leave_running*."""
+        from sparkrun_coldsnap.errors import CaptureError
+
+        raise CaptureError("snapshot driver %s does not dump a unit at a cut across hosts: use a driver that captures across hosts (cpu, n610)" % self.name)
 
     # -- a unit's device state, step by step (a cut across hosts; ``device_state``) ----
     # Each step runs on the unit's own host. The coordinator calls a step on every unit before

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sparkrun_coldsnap.drivers import criu_kdat, criu_tool, image_contents, zero_pages
-from sparkrun_coldsnap.drivers.base import SnapshotDriver, UnitImage
+from sparkrun_coldsnap.drivers import criu_kdat, criu_tool, criu_tree, image_contents, zero_pages
+from sparkrun_coldsnap.drivers.base import Progress, SnapshotDriver, UnitImage
 from sparkrun_coldsnap.drivers.criu_tool import Criu
 
 
@@ -30,3 +30,9 @@ class CriuDriver(SnapshotDriver):
         # on GPUs the host copy of the device memory the engine still held is mostly zeros.
         # What is left, area by area, says where the restore's bytes come from.
         return {**zero_pages.leave_out_zero_pages(images).to_json(), "held": image_contents.held_by_area(images)}
+
+    def dump_at_cut(self, root_pid: int, images: Path, *, unit: str, host: str, progress: Progress, leave_running: bool = False) -> UnitImage:
+        # A capture's dump ends the tree, so CRIU keeps what it needs of files deleted while
+        # open (a POSIX semaphore's link_remap in /dev/shm), which a dump that leaves the tree
+        # running removes again.
+        return criu_tree.dump(Criu.locate(), root_pid, images, unit=unit, host=host, driver=self.name, progress=progress, leave_running=leave_running, peers=True)

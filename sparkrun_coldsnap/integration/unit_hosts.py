@@ -1,6 +1,7 @@
 """The hosts of a multi-unit workload through sparkrun: its executor starts and stops the ranks,
-its transport runs each unit's steps (:mod:`sparkrun_coldsnap.integration.unit_agent`) on
-the unit's host and carries the layers between that host and the capsule store.
+its transport runs each unit's typed steps (:mod:`sparkrun_coldsnap.units.steps`) on the
+unit's host, through the agent there (:mod:`sparkrun_coldsnap.integration.unit_agent`), and
+carries the layers between that host and the capsule store.
 
 What the controller's multi-unit stories ask of hosts (``launch/remote.UnitHosts``), so
 those stories never see SSH, sparkrun or the executor.
@@ -10,11 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.request import LaunchUnit
@@ -22,6 +21,9 @@ from sparkrun_coldsnap.errors import ColdsnapError, IntegrityError, RequestError
 from sparkrun_coldsnap.integration.ranks import RankRecord, Ranks, dead_ranks, wait_rendezvous
 from sparkrun_coldsnap.integration.records import intent_pattern
 from sparkrun_coldsnap.launch.remote import Tick
+from sparkrun_coldsnap.units import remote
+from sparkrun_coldsnap.units.step import Answer, Step
+from sparkrun_coldsnap.units.steps import AbortConnectionsStep, AdoptStep, RecordedStep, RootStep
 
 CHUNK = 64 << 20  # bytes per read of a remote file: a layer never sits whole in memory
 AGENT = "sparkrun_coldsnap.integration.unit_agent"
@@ -47,17 +49,9 @@ class SparkrunUnitHosts:
     def listening(self, unit: LaunchUnit, port: int) -> bool:
         return self.ranks.listening(unit.host, port)
 
-    def agent(self, unit: LaunchUnit, verb: str, doc: dict[str, Any], *, timeout: float = 900.0) -> dict[str, Any]:
-        done = self.hosts.run(unit.host, [self.python, "-m", AGENT, verb], input=json.dumps(doc).encode(), timeout=timeout, check=False)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        try:
-            answer = json.loads(lines[-1])
-        except (IndexError, ValueError):
-            what = "ssh to %s failed" % unit.host if done.returncode == 255 else "exit %d" % done.returncode
-            raise ToolError("unit %s on host %s: step %s gave no answer (%s): %s" % (unit.name, unit.host, verb, what, done.tail())) from None
-        if done.returncode != 0 or "error" in answer:
-            raise ToolError("unit %s on host %s: %s" % (unit.name, unit.host, answer.get("error") or done.tail()), code=str(answer.get("code") or "host.step_failed"))
-        return dict(answer)
+    def call[A: Answer](self, unit: LaunchUnit, step: Step[A], *, timeout: float = 900.0) -> A:
+        done = self.hosts.run(unit.host, [self.python, "-m", AGENT], input=remote.request(step), timeout=timeout, check=False)
+        return remote.answer(step, done.stdout, unit=unit.name, host=unit.host, returncode=done.returncode, tail=done.tail())
 
     # -- files ---------------------------------------------------------------------------------
 
@@ -101,7 +95,7 @@ class SparkrunUnitHosts:
         return dead_ranks(self.ranks)
 
     def root_pid(self, unit: LaunchUnit) -> int:
-        pid = self.agent(unit, "root", {"name": self.ranks.name_of(unit)}, timeout=60).get("pid")
+        pid = self.call(unit, RootStep(name=self.ranks.name_of(unit)), timeout=60).pid
         if not pid:
             raise ToolError("unit %s on host %s: sparkrun's record of %s names no running process" % (unit.name, unit.host, self.ranks.name_of(unit)))
         return int(pid)
@@ -111,7 +105,7 @@ class SparkrunUnitHosts:
 
     def adopt(self, unit: LaunchUnit, pid: int) -> None:
         name = self.ranks.name_of(unit)
-        self.agent(unit, "adopt", {"name": name, "pid": pid}, timeout=60)
+        self.call(unit, AdoptStep(name=name, pid=pid), timeout=60)
         if not any(r.unit.name == unit.name for r in self.ranks.started):
             self.ranks.started.append(RankRecord(unit, name))
 
@@ -121,9 +115,9 @@ class SparkrunUnitHosts:
     def stop_named(self, units: Sequence[LaunchUnit]) -> list[str]:
         running = []
         for u in units:
-            for rank in self.agent(u, "recorded", {"pattern": self.rank_pattern(u)}, timeout=60)["ranks"]:
-                running.append("%s (%s on %s)" % (u.name, rank["name"], u.host))
-                self.ranks.started.append(RankRecord(u, str(rank["name"])))
+            for rank in self.call(u, RecordedStep(pattern=self.rank_pattern(u)), timeout=60).ranks:
+                running.append("%s (%s on %s)" % (u.name, rank.name, u.host))
+                self.ranks.started.append(RankRecord(u, rank.name))
         # Its connections end first, on every host: a workload restored from the same capsule
         # holds the very ones the restore brings back, and stopped the ordinary way their
         # leftovers would answer the restored ranks with resets (host/connections.py). A host
@@ -131,7 +125,7 @@ class SparkrunUnitHosts:
         # a connection, which its validation reports.
         for u in units:
             with contextlib.suppress(ColdsnapError):
-                self.agent(u, "abort_connections", {"pattern": self.rank_pattern(u)}, timeout=120)
+                self.call(u, AbortConnectionsStep(pattern=self.rank_pattern(u)), timeout=120)
         problems = self.ranks.stop_all()
         if problems:
             raise ToolError("stopping the workload this restore replaces failed: %s" % "; ".join(problems))

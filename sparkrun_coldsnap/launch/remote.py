@@ -5,17 +5,19 @@ own launch (for sparkrun, its executor's node script), and everything that reads
 its process tree (CRIU, ``/proc``, the images, the rank's records) runs there too, through
 the manager's transport. The controller tells the multi-unit stories against this
 interface; :mod:`sparkrun_coldsnap.integration.unit_hosts` implements it with sparkrun's
-transport and executor, and the per-host end is :mod:`sparkrun_coldsnap.integration.unit_agent`.
+transport and executor. Each step on a unit's host is a typed request of
+:mod:`sparkrun_coldsnap.units.steps` answered by that host's agent (``units/agent.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from sparkrun_coldsnap.documents.request import LaunchUnit
+    from sparkrun_coldsnap.units.step import Answer, Step
 
 Tick = Callable[[int], None]
 
@@ -55,8 +57,10 @@ class UnitHosts(Protocol):
         """Send *signal* (STOP, CONT, KILL) to the process group *pid* leads on the unit's host."""
         ...
 
-    def agent(self, unit: LaunchUnit, verb: str, doc: dict[str, Any], *, timeout: float = 900.0) -> dict[str, Any]:
-        """Run one step on the unit's host (see the agent's verbs); its answer."""
+    def call[A: Answer](self, unit: LaunchUnit, step: Step[A], *, timeout: float = 900.0) -> A:
+        """Run *step* on the unit's host; its answer, validated. A failure is one ToolError
+        naming the unit, the host and the step, with the host's error code (``host.bad_answer``
+        when no well-formed answer came back)."""
         ...
 
     def fetch(self, unit: LaunchUnit, remote: str, local: Path, *, digest: str, size: int, tick: Tick | None = None) -> None:
