@@ -251,13 +251,13 @@ def test_a_cpu_unit_restore_has_no_device_steps():
 def test_a_driver_that_cannot_cut_across_hosts_is_refused_in_one_line_naming_those_that_can(tmp_path, use_settings):
     from test_launch_units import two_host_workload
 
-    from sparkrun_coldsnap.controller.units import _resolved
+    from sparkrun_coldsnap.controller.admit import resolve_across_hosts
     from sparkrun_coldsnap.errors import RequestError
 
     settings = use_settings()
     for driver in ("cpu", "n610"):
-        assert _resolved(two_host_workload(tmp_path).model_copy(update={"driver": driver}), settings).driver.across_hosts
+        assert resolve_across_hosts(two_host_workload(tmp_path).model_copy(update={"driver": driver}), settings).driver.across_hosts
     with pytest.raises(RequestError) as err:
-        _resolved(two_host_workload(tmp_path).model_copy(update={"driver": "n580"}), settings)
+        resolve_across_hosts(two_host_workload(tmp_path).model_copy(update={"driver": "n580"}), settings)
     assert err.value.code == "request.multi_host" and "\n" not in err.value.message
     assert err.value.message.startswith("driver n580 cannot capture a workload of several hosts (n610, cpu can): set coldsnap.driver to one of those")

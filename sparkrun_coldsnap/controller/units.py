@@ -34,16 +34,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from sparkrun_coldsnap import extensions
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
 from sparkrun_coldsnap.capsule.config import CapsuleConfig, CapturedValidation, EngineRecord, NativePayload, WeightsRecord
 from sparkrun_coldsnap.capsule.pack import PackedLayer
 from sparkrun_coldsnap.capsule.store import CapsuleStore
-from sparkrun_coldsnap.compat import pinning
 from sparkrun_coldsnap.compat.fingerprint import Fingerprint, compare
 from sparkrun_coldsnap.controller import units_weights
+from sparkrun_coldsnap.controller.admit import admit_snapshot, resolve_across_hosts
 from sparkrun_coldsnap.controller.capture import CaptureOutcome
-from sparkrun_coldsnap.controller.common import Resolved, finish, resolve, validate
+from sparkrun_coldsnap.controller.common import Resolved, finish, validate
 from sparkrun_coldsnap.controller.coordinated_checkpoint import UnitOnHost, checkpoint_units
 from sparkrun_coldsnap.controller.units_agent import AgentCut, AgentDevices
 from sparkrun_coldsnap.documents import settings as settings_mod
@@ -52,7 +51,7 @@ from sparkrun_coldsnap.documents.request import CaptureRequest, LaunchUnit, Rest
 from sparkrun_coldsnap.documents.settings import Settings
 from sparkrun_coldsnap.drivers.base import UnitImage
 from sparkrun_coldsnap.engines.base import Endpoint
-from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, RequestError, ValidationError
+from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, ValidationError
 from sparkrun_coldsnap.host import iouring
 from sparkrun_coldsnap.host.file_drift import RecordedFile
 from sparkrun_coldsnap.launch.remote import UnitHosts
@@ -77,17 +76,6 @@ def _parallel(units: Sequence[LaunchUnit], step: Callable[[LaunchUnit], Any]) ->
     if errors:
         raise errors[0]
     return out
-
-
-def _resolved(w: Workload, settings: Settings) -> Resolved:
-    r = resolve(w, settings)
-    if not r.driver.across_hosts:
-        able = [d.name for d in extensions.registry().drivers_by_preference() if d.across_hosts]
-        raise RequestError(
-            "driver %s cannot capture a workload of several hosts (%s can): set coldsnap.driver to one of those, or capture each host's engine on its own" % (r.driver.name, ", ".join(able)),
-            code="request.multi_host",
-        )
-    return r
 
 
 def rank0_endpoint(r: Resolved, w: Workload, hosts: UnitHosts) -> Endpoint:
@@ -182,12 +170,8 @@ def capture_units(
     with settings_mod.using(settings):
         try:
             with rb.phase("admission"):
-                r = _resolved(w, settings)
-                pin_problem = pinning.launch_problem(w, r.adapter)
-                if pin_problem:
-                    raise RequestError(pin_problem)
-                if not w.model.path:
-                    raise RequestError("the pinned snapshot of %s@%s is not in the model cache (HF_HOME): download that revision first" % (w.model.id, w.model.revision))
+                r = resolve_across_hosts(w, settings)
+                model_dir = admit_snapshot(w, r.adapter)
                 native_wanted = weight_paths.writes_native(w, r.driver, r.adapter)
                 launches = capture_launches(r, w, units, rb, native_wanted=native_wanted)  # a refused setting stops it here, before anything starts
                 hosts.check_reachable(units)
@@ -196,7 +180,7 @@ def capture_units(
                     raise CaptureError("port %d is in use on host %s (unit %s): stop that workload (sparkrun stop) or capture on another port" % (w.launch.port, units[0].host, units[0].name))
                 store.init()
             with rb.phase("model_digests"):
-                recorded_files = model_files.record(Path(w.model.path))
+                recorded_files = model_files.record(model_dir)
             with store.staging_dir("capture-") as staging, _io_uring_off(hosts, units):
                 progress.step("starting %d units of %s for capture on %s" % (len(units), req.capsule.ref, ", ".join(u.host for u in units)))
                 validation, _ = start_units(r, req, hosts, rb, progress, init_port=init_port, launch=lambda u: launches[u.name])
@@ -207,7 +191,7 @@ def capture_units(
                 layers = _gather(req, hosts, units, scratch, staging, rb, progress, zero_pages=settings.zero_pages)
                 _remove(hosts, units, scratch)  # gathered: the hosts' copies are not needed any more
                 with rb.phase("model_check"):
-                    changed = model_files.verify(Path(w.model.path), recorded_files)
+                    changed = model_files.verify(model_dir, recorded_files)
                 if changed:
                     raise CaptureError("the model files changed while the engines loaded them: %s; capture again" % "; ".join(changed))
                 unit_images = tuple(

@@ -14,9 +14,10 @@ from sparkrun_coldsnap.capsule import media
 from sparkrun_coldsnap.capsule.capsule import Capsule
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.controller import units_weights
+from sparkrun_coldsnap.controller.admit import resolve_across_hosts
 from sparkrun_coldsnap.controller.common import Resolved, ServingOutcome, finish, validate
 from sparkrun_coldsnap.controller.coordinated_restore import restore_units
-from sparkrun_coldsnap.controller.units import _parallel, _resolved, ordered, rank0_endpoint, stop_on_failure
+from sparkrun_coldsnap.controller.units import _parallel, ordered, rank0_endpoint, stop_on_failure
 from sparkrun_coldsnap.controller.units_agent import AgentRestore
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder, Weights
@@ -87,7 +88,7 @@ def prepare_units(req: RestoreRequest, hosts: UnitHosts, *, store: CapsuleStore,
             store.check_trusted()
             cap = capsule_mod.open_capsule(store, req.capsule.ref)
             rb.capsule = cap.digest
-        prepared = PreparedUnits(req, cap, _resolved(req.workload, settings), settings, rb, hosts)
+        prepared = PreparedUnits(req, cap, resolve_across_hosts(req.workload, settings), settings, rb, hosts)
         try:
             with rb.phase("prepare.admission"):
                 refuse_topology(cap, req)
