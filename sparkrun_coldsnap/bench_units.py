@@ -17,8 +17,8 @@ import time
 
 from sparkrun_coldsnap.bench import VANILLA, Sample, document, phase_bytes
 from sparkrun_coldsnap.capsule.store import CapsuleStore
-from sparkrun_coldsnap.controller.common import resolve
-from sparkrun_coldsnap.controller.units import ordered, start_units, stop_on_failure
+from sparkrun_coldsnap.controller.common import Attempt, resolve
+from sparkrun_coldsnap.controller.units import ordered, start_units
 from sparkrun_coldsnap.controller.units_restore import activate_units, prepare_units
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder
@@ -50,11 +50,8 @@ def _stop(hosts: UnitHosts) -> None:
 def vanilla_sample(req: RestoreRequest, hosts: UnitHosts, *, index: int, init_port: int, progress: Progress) -> Sample:
     settings = settings_mod.current()
     rb = ReceiptBuilder("start", request_sha256=req.digest())
-    try:
+    with Attempt(rb, stop=hosts.stop_all, told="every rank started has been stopped"):
         validation, _ = start_units(resolve(req.workload, settings), req, hosts, rb, progress, init_port=init_port)
-    except BaseException as err:
-        stop_on_failure(rb, hosts, err, [], "every rank started has been stopped")
-        raise
     receipt = rb.finish("succeeded")
     _stop(hosts)
     return Sample(VANILLA, index, validation.ttft_seconds or 0.0, phases={p.name: p.seconds for p in receipt.phases}, validated=validation.passed)

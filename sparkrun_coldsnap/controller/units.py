@@ -42,7 +42,7 @@ from sparkrun_coldsnap.compat.fingerprint import Fingerprint, compare
 from sparkrun_coldsnap.controller import units_weights
 from sparkrun_coldsnap.controller.admit import admit_snapshot, resolve_across_hosts
 from sparkrun_coldsnap.controller.capture import CaptureOutcome
-from sparkrun_coldsnap.controller.common import Resolved, finish, validate
+from sparkrun_coldsnap.controller.common import Attempt, Resolved, finish, validate
 from sparkrun_coldsnap.controller.coordinated_checkpoint import UnitOnHost, checkpoint_units
 from sparkrun_coldsnap.controller.units_agent import AgentCut, AgentDevices
 from sparkrun_coldsnap.documents import settings as settings_mod
@@ -143,19 +143,6 @@ def start_units(
     return validation, t0
 
 
-def stop_on_failure(rb: ReceiptBuilder, hosts: UnitHosts, err: BaseException, cleanups: list[Callable[[], None]], what: str) -> None:
-    """Stop every unit this operation started, run its cleanups, give the error its receipt."""
-    problems = hosts.stop_all()
-    for cleanup in reversed(cleanups):
-        try:
-            cleanup()
-        except ColdsnapError as cleanup_err:
-            problems.append(cleanup_err.message)
-    if isinstance(err, ColdsnapError):
-        err.args = ("%s; %s%s" % (err.message, what, " (%s)" % "; ".join(problems) if problems else ""),)
-        err.receipt = finish(rb, err)
-
-
 def capture_units(
     req: CaptureRequest, hosts: UnitHosts, *, store: CapsuleStore, init_port: int, settings: Settings | None = None, progress: Progress = QUIET,
 ) -> CaptureOutcome:  # fmt: skip
@@ -166,59 +153,55 @@ def capture_units(
     w = req.workload
     units = ordered(w)
     by_name = {u.name: u for u in units}
-    cleanups: list[Callable[[], None]] = []
-    with settings_mod.using(settings):
-        try:
-            with rb.phase("admission"):
-                r = resolve_across_hosts(w, settings)
-                model_dir = admit_snapshot(w, r.adapter)
-                native_wanted = weight_paths.writes_native(w, r.driver, r.adapter)
-                launches = capture_launches(r, w, units, rb, native_wanted=native_wanted)  # a refused setting stops it here, before anything starts
-                hosts.check_reachable(units)
-                fingerprint = _capture_facts(req, r, hosts, units)
-                if hosts.listening(units[0], w.launch.port):
-                    raise CaptureError("port %d is in use on host %s (unit %s): stop that workload (sparkrun stop) or capture on another port" % (w.launch.port, units[0].host, units[0].name))
-                store.init()
-            with rb.phase("model_digests"):
-                recorded_files = model_files.record(model_dir)
-            with store.staging_dir("capture-") as staging, _io_uring_off(hosts, units):
-                progress.step("starting %d units of %s for capture on %s" % (len(units), req.capsule.ref, ", ".join(u.host for u in units)))
-                validation, _ = start_units(r, req, hosts, rb, progress, init_port=init_port, launch=lambda u: launches[u.name])
-                progress.note("first token %.1f s after launch; reply %r" % (validation.ttft_seconds or 0, validation.reply))
-                rb.details["vanilla_ttft_seconds"] = validation.ttft_seconds
-                native, native_files = _release(r, req, hosts, units, rb, progress, native_wanted=native_wanted)
-                images, files, scratch = _checkpoint(r, hosts, units, by_name, rb, progress, cleanups)
-                layers = _gather(req, hosts, units, scratch, staging, rb, progress, zero_pages=settings.zero_pages)
-                _remove(hosts, units, scratch)  # gathered: the hosts' copies are not needed any more
-                with rb.phase("model_check"):
-                    changed = model_files.verify(model_dir, recorded_files)
-                if changed:
-                    raise CaptureError("the model files changed while the engines loaded them: %s; capture again" % "; ".join(changed))
-                unit_images = tuple(
-                    images[u.name].model_copy(update={
-                        "files": files[u.name], "image_bytes": layers[u.name][1],
-                        "driver_data": {**images[u.name].driver_data, **({"native_files": native_files[u.name]} if native is not None else {})},
-                    })
-                    for u in units
-                )  # fmt: skip
-                config = CapsuleConfig(
-                    name=req.capsule.name, tag=req.capsule.tag, created=capsule_mod.now_iso(), request_sha256=req.digest(), workload=w.redacted(),
-                    fingerprint=fingerprint,
-                    engine=EngineRecord(name=w.engine, version=r.adapter.version(r.facts.packages) if r.facts else None), driver=r.driver.name,
-                    validation=CapturedValidation(prompt=req.validation.prompt, max_tokens=req.validation.max_tokens, reply=validation.reply or "", request_ttft_seconds=validation.request_ttft_seconds),
-                    weights=WeightsRecord(
-                        location="in-image" if r.driver.weights_in_image else "external", model_id=w.model.id, revision=w.model.revision, files=recorded_files, native=native,
-                    ),
-                    units=unit_images,
-                )  # fmt: skip
-                packed = [layer for u in units for layer in layers[u.name][0]]
-                with rb.phase("publish"):
-                    desc = capsule_mod.publish(store, packed, config)
-                rb.details["image_bytes"] = sum(i.image_bytes for i in unit_images)
-                rb.details["capsule_bytes"] = sum(layer.size for layer in packed)
-        except BaseException as err:
-            stop_on_failure(rb, hosts, err, cleanups, "every unit started has been stopped and nothing was published")
-            raise
+    told = "every unit started has been stopped and nothing was published"
+    with settings_mod.using(settings), Attempt(rb, stop=hosts.stop_all, told=told) as attempt:
+        with rb.phase("admission"):
+            r = resolve_across_hosts(w, settings)
+            model_dir = admit_snapshot(w, r.adapter)
+            native_wanted = weight_paths.writes_native(w, r.driver, r.adapter)
+            launches = capture_launches(r, w, units, rb, native_wanted=native_wanted)  # a refused setting stops it here, before anything starts
+            hosts.check_reachable(units)
+            fingerprint = _capture_facts(req, r, hosts, units)
+            if hosts.listening(units[0], w.launch.port):
+                raise CaptureError("port %d is in use on host %s (unit %s): stop that workload (sparkrun stop) or capture on another port" % (w.launch.port, units[0].host, units[0].name))
+            store.init()
+        with rb.phase("model_digests"):
+            recorded_files = model_files.record(model_dir)
+        with store.staging_dir("capture-") as staging, _io_uring_off(hosts, units):
+            progress.step("starting %d units of %s for capture on %s" % (len(units), req.capsule.ref, ", ".join(u.host for u in units)))
+            validation, _ = start_units(r, req, hosts, rb, progress, init_port=init_port, launch=lambda u: launches[u.name])
+            progress.note("first token %.1f s after launch; reply %r" % (validation.ttft_seconds or 0, validation.reply))
+            rb.details["vanilla_ttft_seconds"] = validation.ttft_seconds
+            native, native_files = _release(r, req, hosts, units, rb, progress, native_wanted=native_wanted)
+            images, files, scratch = _checkpoint(r, hosts, units, by_name, rb, progress, attempt.on_failure)
+            layers = _gather(req, hosts, units, scratch, staging, rb, progress, zero_pages=settings.zero_pages)
+            _remove(hosts, units, scratch)  # gathered: the hosts' copies are not needed any more
+            with rb.phase("model_check"):
+                changed = model_files.verify(model_dir, recorded_files)
+            if changed:
+                raise CaptureError("the model files changed while the engines loaded them: %s; capture again" % "; ".join(changed))
+            unit_images = tuple(
+                images[u.name].model_copy(update={
+                    "files": files[u.name], "image_bytes": layers[u.name][1],
+                    "driver_data": {**images[u.name].driver_data, **({"native_files": native_files[u.name]} if native is not None else {})},
+                })
+                for u in units
+            )  # fmt: skip
+            config = CapsuleConfig(
+                name=req.capsule.name, tag=req.capsule.tag, created=capsule_mod.now_iso(), request_sha256=req.digest(), workload=w.redacted(),
+                fingerprint=fingerprint,
+                engine=EngineRecord(name=w.engine, version=r.adapter.version(r.facts.packages) if r.facts else None), driver=r.driver.name,
+                validation=CapturedValidation(prompt=req.validation.prompt, max_tokens=req.validation.max_tokens, reply=validation.reply or "", request_ttft_seconds=validation.request_ttft_seconds),
+                weights=WeightsRecord(
+                    location="in-image" if r.driver.weights_in_image else "external", model_id=w.model.id, revision=w.model.revision, files=recorded_files, native=native,
+                ),
+                units=unit_images,
+            )  # fmt: skip
+            packed = [layer for u in units for layer in layers[u.name][0]]
+            with rb.phase("publish"):
+                desc = capsule_mod.publish(store, packed, config)
+            rb.details["image_bytes"] = sum(i.image_bytes for i in unit_images)
+            rb.details["capsule_bytes"] = sum(layer.size for layer in packed)
     rb.capsule = desc.digest
     return CaptureOutcome(finish(rb, None), capsule_mod.open_capsule(store, req.capsule.ref))
 
@@ -272,7 +255,7 @@ def _release(
 
 def _checkpoint(
     r: Resolved, hosts: UnitHosts, units: list[LaunchUnit], by_name: dict[str, LaunchUnit], rb: ReceiptBuilder, progress: Progress,
-    cleanups: list[Callable[[], None]],
+    on_failure: Callable[[Callable[[], object]], None],
 ) -> tuple[dict[str, UnitImage], dict[str, tuple[RecordedFile, ...]], dict[str, str]]:  # fmt: skip
     """Record every unit's files, checkpoint all at one cut, stop them there; (images, files,
     each host's scratch directory, removed when the operation ends)."""
@@ -281,7 +264,7 @@ def _checkpoint(
         answers = _parallel(units, lambda u: hosts.agent(u, "files", {"root_pid": roots[u.name], "name": hosts.rank_name(u)}))
     files = {name: tuple(RecordedFile.model_validate(f) for f in a["files"]) for name, a in answers.items()}
     scratch = {u.name: hosts.agent(u, "inbox", {})["path"] for u in units}
-    cleanups.append(lambda: _remove(hosts, units, scratch))
+    on_failure(lambda: _remove(hosts, units, scratch))
     targets = [UnitOnHost(u.name, u.host, roots[u.name], scratch[u.name] + "/images") for u in units]
     devices = AgentDevices(hosts, by_name, r.driver.name) if r.driver.device_state else None
     with rb.phase("checkpoint"), progress.waiting("checkpointing %d units at one cut" % len(units)):

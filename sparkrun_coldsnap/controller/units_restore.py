@@ -15,9 +15,9 @@ from sparkrun_coldsnap.capsule.capsule import Capsule
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.controller import units_weights
 from sparkrun_coldsnap.controller.admit import resolve_across_hosts
-from sparkrun_coldsnap.controller.common import Resolved, ServingOutcome, finish, validate
+from sparkrun_coldsnap.controller.common import Attempt, Resolved, ServingOutcome, finish, validate
 from sparkrun_coldsnap.controller.coordinated_restore import restore_units
-from sparkrun_coldsnap.controller.units import _parallel, ordered, rank0_endpoint, stop_on_failure
+from sparkrun_coldsnap.controller.units import _parallel, ordered, rank0_endpoint
 from sparkrun_coldsnap.controller.units_agent import AgentRestore
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder, Weights
@@ -89,7 +89,8 @@ def prepare_units(req: RestoreRequest, hosts: UnitHosts, *, store: CapsuleStore,
             cap = capsule_mod.open_capsule(store, req.capsule.ref)
             rb.capsule = cap.digest
         prepared = PreparedUnits(req, cap, resolve_across_hosts(req.workload, settings), settings, rb, hosts)
-        try:
+        with Attempt(rb) as attempt:
+            attempt.on_failure(prepared.discard)
             with rb.phase("prepare.admission"):
                 refuse_topology(cap, req)
                 if cap.config.driver != prepared.resolved.driver.name:
@@ -100,11 +101,6 @@ def prepare_units(req: RestoreRequest, hosts: UnitHosts, *, store: CapsuleStore,
                     rb.details["weights_note"] = prepared.weights.note
             with rb.phase("prepare.stage"), progress.waiting("sending and unpacking each unit's layers on its host"):
                 prepared.staged = _parallel(units, lambda u: _stage(store, cap, hosts, u))
-        except BaseException as err:
-            prepared.discard()
-            if isinstance(err, ColdsnapError):
-                err.receipt = finish(rb, err)
-            raise
     prepared.prepare_seconds = time.monotonic() - t
     return prepared
 
@@ -139,7 +135,7 @@ def activate_units(prepared: PreparedUnits, *, progress: Progress = QUIET) -> Se
     roots: dict[str, int] = {}
     try:
         with settings_mod.using(prepared.settings):
-            try:
+            with Attempt(rb, stop=lambda: _stop_restored(hosts, units, roots), told="every unit restored has been stopped"):
                 with rb.phase("evict"):
                     replaced = hosts.stop_named(units)
                 if replaced:
@@ -161,10 +157,6 @@ def activate_units(prepared: PreparedUnits, *, progress: Progress = QUIET) -> Se
                     raise ValidationError("restored rank 0 replied %r, capsule %s recorded %r: the capsule does not match these hosts; recapture" % (validation.reply, req.capsule.ref, expected))
                 if prepared.weights is None:
                     rb.weights = Weights(path="in-image")
-            except BaseException as err:
-                _kill_restored(hosts, units, roots)
-                stop_on_failure(rb, hosts, err, [], "every unit restored has been stopped")
-                raise
             rb.details["prepare_seconds"] = round(prepared.prepare_seconds, 4)
             rb.details["units"] = {
                 u.name: {"host": u.host, "root_pid": roots[u.name], "restore_seconds": round(done.phases[u.name]["restore"], 4), "phases": {k: round(v, 4) for k, v in done.phases[u.name].items()}}
@@ -181,14 +173,16 @@ def activate_units(prepared: PreparedUnits, *, progress: Progress = QUIET) -> Se
         prepared.discard()
 
 
-def _kill_restored(hosts: UnitHosts, units: list[LaunchUnit], roots: dict[str, int]) -> None:
-    """Restored trees not yet adopted as ranks: ended by their process group."""
+def _stop_restored(hosts: UnitHosts, units: list[LaunchUnit], roots: dict[str, int]) -> list[str]:
+    """Restored trees not yet adopted as ranks ended by their process group, then every unit
+    this operation started or adopted stopped; the problems, one per unit."""
     for u in units:
         if u.name in roots:
             try:
                 hosts.signal_group(u, roots[u.name], "KILL")
             except ColdsnapError:
                 pass
+    return hosts.stop_all()
 
 
 class _NoUnit:

@@ -27,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sparkrun_coldsnap.controller.common import resolve
-from sparkrun_coldsnap.controller.units import start_units, stop_on_failure
+from sparkrun_coldsnap.controller.common import Attempt, resolve
+from sparkrun_coldsnap.controller.units import start_units
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder
 from sparkrun_coldsnap.documents.request import RestoreRequest
@@ -55,10 +55,7 @@ def start_distributed(actx: Any, req: RestoreRequest, *, progress: Progress = QU
     with settings_mod.using(settings), open_for(actx) as hosts:
         ranks = Ranks(hosts, executor_of(actx), actx.cluster_id)
         unit_hosts = SparkrunUnitHosts(ranks)
-        try:
+        with Attempt(rb, stop=unit_hosts.stop_all, told="every rank started has been stopped"):
             validation, _ = start_units(r, req, unit_hosts, rb, progress, init_port=int(actx.execution.options.init_port))
-        except BaseException as err:
-            stop_on_failure(rb, unit_hosts, err, [], "every rank started has been stopped")
-            raise
         rb.details["units"] = [{"unit": x.unit.name, "host": x.unit.host, "rank": x.unit.rank, "name": x.name} for x in ranks.started]
         return DistributedStart(rb.finish("succeeded"), tuple(ranks.started), validation.ttft_seconds)
