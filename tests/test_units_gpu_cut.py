@@ -1,7 +1,7 @@
 """The n610 driver's cut across hosts: the order of the CUDA checkpoint calls over every unit of
 a workload on several hosts, and what a failure on one host does to every host.
 
-The controller's real steps run here (``coordinated_checkpoint``, ``coordinated_restore`` and
+The controller's real steps run here (``cut`` and
 the agent-backed steps of ``controller/units_agent.py``) over ``FakeHosts``: two FAKE hosts
 whose agent verbs call the n610 driver's own per-host functions (``drivers/cuda_units.py``)
 on a FAKE of the checkpoint API per host. The fake is as strict as the driver in what
@@ -16,8 +16,7 @@ from __future__ import annotations
 import pytest
 from test_cuda_checkpoint import FakeCheckpointApi
 
-from sparkrun_coldsnap.controller.coordinated_checkpoint import UnitOnHost, checkpoint_units
-from sparkrun_coldsnap.controller.coordinated_restore import restore_units
+from sparkrun_coldsnap.controller.cut import UnitOnHost, checkpoint_units, restore_units
 from sparkrun_coldsnap.controller.units_agent import AgentCut, AgentDevices, AgentRestore
 from sparkrun_coldsnap.documents.request import LaunchUnit
 from sparkrun_coldsnap.drivers import cuda_checkpoint, cuda_units

@@ -5,7 +5,7 @@ ranks are started on their hosts (head first, workers once the head listens on t
 port) with what the driver needs of their launch, and validated through rank 0; where the
 weights leave the capsule (GPU drivers) every rank writes its native payload on its host and
 the engine releases its memory, both asked of rank 0; every unit's files are recorded on its
-host; the units are checkpointed at one consistent cut (``coordinated_checkpoint``: every
+host; the units are checkpointed at one consistent cut (``cut.checkpoint_units``: every
 unit's devices locked, then checkpointed, then every unit stopped and dumped) and end there;
 each host leaves its zero pages out and packs its own unit's layers, which are gathered
 (digests checked) into the one store; the capsule is published only when every unit's layers
@@ -16,7 +16,7 @@ captured on: the ranks' connections come back as they were, to the captured addr
 every unit is admitted on its own host with that host's fingerprint; each host receives and
 unpacks its unit's layers; all before anything is stopped. Then the workload being replaced
 is stopped, every unit is restored on its host at once, still stopped at the cut, recorded as
-its rank (sparkrun's ``status``/``stop`` see it) and continued (``coordinated_restore``: then
+its rank (sparkrun's ``status``/``stop`` see it) and continued (``cut.restore_units``: then
 every unit's devices given back, then unlocked), the weights brought back through rank 0, and
 the reply through rank 0 is checked against the one recorded at capture.
 
@@ -30,9 +30,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
 from sparkrun_coldsnap.capsule.config import CapsuleConfig, CapturedValidation, EngineRecord, NativePayload, WeightsRecord
@@ -43,7 +41,8 @@ from sparkrun_coldsnap.controller import units_weights
 from sparkrun_coldsnap.controller.admit import admit_snapshot, resolve_across_hosts
 from sparkrun_coldsnap.controller.capture import CaptureOutcome
 from sparkrun_coldsnap.controller.common import Attempt, Resolved, finish, validate
-from sparkrun_coldsnap.controller.coordinated_checkpoint import UnitOnHost, checkpoint_units
+from sparkrun_coldsnap.controller.cut import UnitOnHost, checkpoint_units
+from sparkrun_coldsnap.controller.cut import on_every_unit as _parallel  # the name the calls of the hosts' steps use
 from sparkrun_coldsnap.controller.units_agent import AgentCut, AgentDevices
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder, Validation
@@ -61,21 +60,6 @@ from sparkrun_coldsnap.weights import model_files, weight_paths
 
 def ordered(w: Workload) -> list[LaunchUnit]:
     return sorted(w.topology.units, key=lambda u: u.rank)
-
-
-def _parallel(units: Sequence[LaunchUnit], step: Callable[[LaunchUnit], Any]) -> dict[str, Any]:
-    """*step* of every unit at once; every unit's outcome waited for, then the first failure raised."""
-    with ThreadPoolExecutor(max_workers=max(1, len(units))) as pool:
-        futures = {u.name: pool.submit(step, u) for u in units}
-        out, errors = {}, []
-        for u in units:
-            try:
-                out[u.name] = futures[u.name].result()
-            except ColdsnapError as err:
-                errors.append(err)
-    if errors:
-        raise errors[0]
-    return out
 
 
 def rank0_endpoint(r: Resolved, w: Workload, hosts: UnitHosts) -> Endpoint:

@@ -16,8 +16,9 @@ from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.controller import units_weights
 from sparkrun_coldsnap.controller.admit import resolve_across_hosts
 from sparkrun_coldsnap.controller.common import Attempt, Resolved, ServingOutcome, finish, validate
-from sparkrun_coldsnap.controller.coordinated_restore import restore_units
-from sparkrun_coldsnap.controller.units import _parallel, ordered, rank0_endpoint
+from sparkrun_coldsnap.controller.cut import on_every_unit, restore_units
+from sparkrun_coldsnap.controller.cut import on_every_unit as _parallel  # the name the calls of the hosts' steps use
+from sparkrun_coldsnap.controller.units import ordered, rank0_endpoint
 from sparkrun_coldsnap.controller.units_agent import AgentRestore
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder, Weights
@@ -100,7 +101,7 @@ def prepare_units(req: RestoreRequest, hosts: UnitHosts, *, store: CapsuleStore,
                 if prepared.weights is not None and prepared.weights.note:
                     rb.details["weights_note"] = prepared.weights.note
             with rb.phase("prepare.stage"), progress.waiting("sending and unpacking each unit's layers on its host"):
-                prepared.staged = _parallel(units, lambda u: _stage(store, cap, hosts, u))
+                prepared.staged = on_every_unit(units, lambda u: _stage(store, cap, hosts, u))
     prepared.prepare_seconds = time.monotonic() - t
     return prepared
 
@@ -168,7 +169,7 @@ def activate_units(prepared: PreparedUnits, *, progress: Progress = QUIET) -> Se
                 if tiles is not None:
                     rb.details["units"][u.name]["amx_permission"] = tiles
             rb.details["barriers"] = {k: round(v, 4) for k, v in done.barriers.items()}
-            return ServingOutcome(finish(rb, None), roots[units[0].name], validation.ttft_seconds, _NoUnit(units[0].host))
+            return ServingOutcome(finish(rb, None), roots[units[0].name], validation.ttft_seconds, SparkrunRanks(units[0].host))
     finally:
         prepared.discard()
 
@@ -185,9 +186,10 @@ def _stop_restored(hosts: UnitHosts, units: list[LaunchUnit], roots: dict[str, i
     return hosts.stop_all()
 
 
-class _NoUnit:
-    """What a multi-unit restore hands back as its unit: the ranks are sparkrun's (stop them with
-    ``sparkrun stop``); this process holds no tree of its own."""
+class SparkrunRanks:
+    """The unit a restore of several units hands back: the ranks it restored, each recorded on
+    its host as sparkrun's (``sparkrun status`` sees them, ``sparkrun stop`` stops them). This
+    process holds no tree of its own, so stopping or reaping here does nothing; *host* is rank 0's."""
 
     def __init__(self, host: str) -> None:
         self.host = host

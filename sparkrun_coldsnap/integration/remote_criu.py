@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sparkrun_coldsnap.controller.coordinated_checkpoint import UnitOnHost
+from sparkrun_coldsnap.controller.cut import UnitOnHost
 from sparkrun_coldsnap.errors import CaptureError, RestoreError, ToolError
 from sparkrun_coldsnap.integration.transport import ClusterHosts
 
@@ -86,7 +86,7 @@ class RemoteCriu:
 
 
 class CriuCut:
-    """A coordinated checkpoint's steps (``controller/coordinated_checkpoint.py``) done with
+    """A coordinated checkpoint's steps (``controller/cut.py``) done with
     CRIU run directly on each host: trees stopped and continued by process group."""
 
     def __init__(self, criu: RemoteCriu, *, tcp: bool = True) -> None:
