@@ -10,10 +10,11 @@ from pathlib import Path
 
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
 from sparkrun_coldsnap.capsule.capsule import Capsule
-from sparkrun_coldsnap.capsule.config import CapsuleConfig, CapturedValidation, EngineRecord, NativePayload, WeightsRecord
+from sparkrun_coldsnap.capsule.config import CapsuleConfig, CapturedValidation, EngineRecord, ModelFile, NativePayload, WeightsRecord
 from sparkrun_coldsnap.capsule.pack import pack_unit
 from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor
 from sparkrun_coldsnap.compat import pinning
+from sparkrun_coldsnap.compat.fingerprint import Fingerprint
 from sparkrun_coldsnap.controller.admit import admit_driver_here, admit_snapshot
 from sparkrun_coldsnap.controller.common import Attempt, Resolved, finish, require_one_unit, resolve, validate, wait_ready
 from sparkrun_coldsnap.documents import settings as settings_mod
@@ -203,24 +204,34 @@ def package(run: CaptureRun, staging: Path, image: UnitImage, validation: Valida
     image = _without_zero_pages(r.driver, run.images, image, rb, progress, enabled=run.settings.zero_pages)
     with rb.phase("pack"), progress.transfer("packing %.1f MB of process images" % (image.image_bytes / 1e6), image.image_bytes) as tick:
         layers = pack_unit(run.images, unit_def.name, staging, tick=tick)
-    config = CapsuleConfig(
-        name=req.capsule.name,
-        tag=req.capsule.tag,
-        created=capsule_mod.now_iso(),
-        request_sha256=req.digest(),
-        workload=w.redacted(),
-        fingerprint=r.fingerprint(w, image.criu_version),
-        engine=EngineRecord(name=w.engine, version=r.adapter.version(r.facts.packages) if r.facts else None),
-        driver=r.driver.name,
-        validation=CapturedValidation(prompt=req.validation.prompt, max_tokens=req.validation.max_tokens, reply=validation.reply or "", request_ttft_seconds=validation.request_ttft_seconds),
-        weights=WeightsRecord(location="in-image" if r.driver.weights_in_image else "external", model_id=w.model.id, revision=w.model.revision, files=recorded_files, native=native),
-        units=(image,),
-    )
+    config = capsule_config(req, r, r.fingerprint(w, image.criu_version), validation, recorded_files, native, (image,))
     with rb.phase("publish"):
         desc = capsule_mod.publish(run.store, layers, config)
     rb.details["image_bytes"] = image.image_bytes
     rb.details["capsule_bytes"] = sum(layer.size for layer in layers)
     return desc
+
+
+def capsule_config(
+    req: CaptureRequest, r: Resolved, fingerprint: Fingerprint, validation: Validation, recorded_files: tuple[ModelFile, ...], native: NativePayload | None,
+    units: tuple[UnitImage, ...],
+) -> CapsuleConfig:  # fmt: skip
+    """What a capsule of *units* records, one unit or several: the redacted workload, the host it
+    must be restored on (*fingerprint*), the engine, the reply restores must give, the weights."""
+    w = req.workload
+    return CapsuleConfig(
+        name=req.capsule.name,
+        tag=req.capsule.tag,
+        created=capsule_mod.now_iso(),
+        request_sha256=req.digest(),
+        workload=w.redacted(),
+        fingerprint=fingerprint,
+        engine=EngineRecord(name=w.engine, version=r.adapter.version(r.facts.packages) if r.facts else None),
+        driver=r.driver.name,
+        validation=CapturedValidation(prompt=req.validation.prompt, max_tokens=req.validation.max_tokens, reply=validation.reply or "", request_ttft_seconds=validation.request_ttft_seconds),
+        weights=WeightsRecord(location="in-image" if r.driver.weights_in_image else "external", model_id=w.model.id, revision=w.model.revision, files=recorded_files, native=native),
+        units=units,
+    )
 
 
 def _without_zero_pages(driver: SnapshotDriver, images: Path, image: UnitImage, rb: ReceiptBuilder, progress: Progress, *, enabled: bool) -> UnitImage:

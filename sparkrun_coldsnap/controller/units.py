@@ -33,13 +33,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
-from sparkrun_coldsnap.capsule.config import CapsuleConfig, CapturedValidation, EngineRecord, NativePayload, WeightsRecord
+from sparkrun_coldsnap.capsule.config import NativePayload
 from sparkrun_coldsnap.capsule.pack import PackedLayer
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.compat.fingerprint import Fingerprint, compare
 from sparkrun_coldsnap.controller import units_weights
 from sparkrun_coldsnap.controller.admit import admit_snapshot, resolve_across_hosts
-from sparkrun_coldsnap.controller.capture import CaptureOutcome
+from sparkrun_coldsnap.controller.capture import CaptureOutcome, capsule_config
 from sparkrun_coldsnap.controller.common import Attempt, Resolved, finish, validate
 from sparkrun_coldsnap.controller.cut import UnitOnHost, checkpoint_units
 from sparkrun_coldsnap.controller.cut import on_every_unit as _parallel  # the name the calls of the hosts' steps use
@@ -171,16 +171,7 @@ def capture_units(
                 })
                 for u in units
             )  # fmt: skip
-            config = CapsuleConfig(
-                name=req.capsule.name, tag=req.capsule.tag, created=capsule_mod.now_iso(), request_sha256=req.digest(), workload=w.redacted(),
-                fingerprint=fingerprint,
-                engine=EngineRecord(name=w.engine, version=r.adapter.version(r.facts.packages) if r.facts else None), driver=r.driver.name,
-                validation=CapturedValidation(prompt=req.validation.prompt, max_tokens=req.validation.max_tokens, reply=validation.reply or "", request_ttft_seconds=validation.request_ttft_seconds),
-                weights=WeightsRecord(
-                    location="in-image" if r.driver.weights_in_image else "external", model_id=w.model.id, revision=w.model.revision, files=recorded_files, native=native,
-                ),
-                units=unit_images,
-            )  # fmt: skip
+            config = capsule_config(req, r, fingerprint, validation, recorded_files, native, unit_images)
             packed = [layer for u in units for layer in layers[u.name][0]]
             with rb.phase("publish"):
                 desc = capsule_mod.publish(store, packed, config)
