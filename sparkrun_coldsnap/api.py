@@ -34,7 +34,7 @@ from sparkrun_coldsnap.controller import units as controller_units
 from sparkrun_coldsnap.controller import units_restore
 from sparkrun_coldsnap.controller.capture import CaptureOutcome
 from sparkrun_coldsnap.controller.common import Attempt, Resolved, ServingOutcome, finish
-from sparkrun_coldsnap.controller.coordinated_checkpoint import UnitOnHost
+from sparkrun_coldsnap.controller.cut import UnitOnHost
 from sparkrun_coldsnap.controller.restore import PreparedRestore, open_and_admit, unpack_capsule, unpacked_size
 from sparkrun_coldsnap.controller.units import ordered
 from sparkrun_coldsnap.controller.units_restore import PreparedUnits
@@ -302,11 +302,8 @@ def start_units(
     if because:
         rb.details["instead_of_restore"] = because
     r = controller.resolve(request.workload, settings or settings_mod.current())
-    try:
+    with Attempt(rb, stop=hosts.stop_all, told="every rank started has been stopped"):
         validation, _ = controller_units.start_units(r, request, hosts, rb, progress, init_port=init_port)
-    except BaseException as err:
-        controller_units.stop_on_failure(rb, hosts, err, [], "every rank started has been stopped")
-        raise
     if details is not None:
         rb.details.update(details())
     return StartedUnits(rb.finish("succeeded"), validation)

@@ -226,7 +226,7 @@ class _Cut:
 
 
 def test_a_capture_cut_whose_dump_fails_resumes_what_runs_and_keeps_nothing():
-    from sparkrun_coldsnap.controller.coordinated_checkpoint import UnitOnHost, checkpoint_units
+    from sparkrun_coldsnap.controller.cut import UnitOnHost, checkpoint_units
     from sparkrun_coldsnap.errors import CaptureError
 
     cut = _Cut()

@@ -1,7 +1,7 @@
 """The n610 driver's cut across hosts: the order of the CUDA checkpoint calls over every unit of
 a workload on several hosts, and what a failure on one host does to every host.
 
-The controller's real steps run here (``coordinated_checkpoint``, ``coordinated_restore`` and
+The controller's real steps run here (``cut`` and
 the agent-backed steps of ``controller/units_agent.py``) over ``FakeHosts``: two FAKE hosts
 whose steps, over the real wire, call the n610 driver's own per-host functions (``drivers/cuda_units.py``)
 on a FAKE of the checkpoint API per host. The fake is as strict as the driver in what
@@ -17,8 +17,7 @@ import pytest
 from fakes.fake_unit_hosts import FakeUnitHosts, NoRecords
 from test_cuda_checkpoint import FakeCheckpointApi
 
-from sparkrun_coldsnap.controller.coordinated_checkpoint import UnitOnHost, checkpoint_units
-from sparkrun_coldsnap.controller.coordinated_restore import restore_units
+from sparkrun_coldsnap.controller.cut import UnitOnHost, checkpoint_units, restore_units
 from sparkrun_coldsnap.controller.units_agent import AgentCut, AgentDevices, AgentRestore
 from sparkrun_coldsnap.documents.request import LaunchUnit
 from sparkrun_coldsnap.drivers import cuda_checkpoint, cuda_units
@@ -271,13 +270,13 @@ def test_a_cpu_unit_restore_has_no_device_steps():
 def test_a_driver_that_cannot_cut_across_hosts_is_refused_in_one_line_naming_those_that_can(tmp_path, use_settings):
     from test_launch_units import two_host_workload
 
-    from sparkrun_coldsnap.controller.units import _resolved
+    from sparkrun_coldsnap.controller.admit import resolve_across_hosts
     from sparkrun_coldsnap.errors import RequestError
 
     settings = use_settings()
     for driver in ("cpu", "n610"):
-        assert _resolved(two_host_workload(tmp_path).model_copy(update={"driver": driver}), settings).driver.across_hosts
+        assert resolve_across_hosts(two_host_workload(tmp_path).model_copy(update={"driver": driver}), settings).driver.across_hosts
     with pytest.raises(RequestError) as err:
-        _resolved(two_host_workload(tmp_path).model_copy(update={"driver": "n580"}), settings)
+        resolve_across_hosts(two_host_workload(tmp_path).model_copy(update={"driver": "n580"}), settings)
     assert err.value.code == "request.multi_host" and "\n" not in err.value.message
     assert err.value.message.startswith("driver n580 cannot capture a workload of several hosts (n610, cpu can): set coldsnap.driver to one of those")

@@ -6,13 +6,14 @@ started, drops what it staged) without hiding the first error. They are
 written against interfaces: an engine adapter, a snapshot driver, a launcher.
 """
 
-from sparkrun_coldsnap.controller.capture import CaptureOutcome, capture
+from sparkrun_coldsnap.controller.capture import CaptureOutcome, LiveWorkload, capture
 from sparkrun_coldsnap.controller.common import Resolved, ServingOutcome, require_one_unit, resolve
 from sparkrun_coldsnap.controller.restore import PreparedRestore, activate_restore, check_admission, prepare_restore
 from sparkrun_coldsnap.controller.vanilla import start_vanilla
 
 __all__ = [
     "CaptureOutcome",
+    "LiveWorkload",
     "PreparedRestore",
     "Resolved",
     "ServingOutcome",

@@ -10,10 +10,12 @@ from pathlib import Path
 
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
 from sparkrun_coldsnap.capsule.capsule import Capsule
-from sparkrun_coldsnap.capsule.config import CapsuleConfig, CapturedValidation, EngineRecord, NativePayload, WeightsRecord
+from sparkrun_coldsnap.capsule.config import CapsuleConfig, CapturedValidation, EngineRecord, ModelFile, NativePayload, WeightsRecord
 from sparkrun_coldsnap.capsule.pack import pack_unit
 from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor
 from sparkrun_coldsnap.compat import pinning
+from sparkrun_coldsnap.compat.fingerprint import Fingerprint
+from sparkrun_coldsnap.controller.admit import admit_driver_here, admit_snapshot
 from sparkrun_coldsnap.controller.common import Attempt, Resolved, finish, require_one_unit, resolve, validate, wait_ready
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder, Validation
@@ -23,7 +25,6 @@ from sparkrun_coldsnap.drivers.base import SnapshotDriver, UnitImage
 from sparkrun_coldsnap.engines.base import Endpoint
 from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, RequestError, ValidationError
 from sparkrun_coldsnap.host import disk_room, engine_temp, leftovers, paths
-from sparkrun_coldsnap.host.facts import host_facts
 from sparkrun_coldsnap.host.iouring import io_uring_disabled
 from sparkrun_coldsnap.host.ports import port_holder
 from sparkrun_coldsnap.host.process_tree import tree_pids
@@ -55,75 +56,140 @@ class CaptureRun:
     t0: float
     native_wanted: bool
     store: CapsuleStore
+    #: where the capsule's layers are packed before publishing
+    staging: Path
     #: the engine was already serving when the capture began (a hibernate): no launch to time from
     live: bool = False
     #: the native payload the serving engine's weights came back from, written by an earlier capture
     native_reuse: NativePayload | None = None
 
 
-def capture(req: CaptureRequest, *, store: CapsuleStore, settings: Settings | None = None, progress: Progress = QUIET) -> CaptureOutcome:
-    """Launch the engine, validate it, capture it into a capsule in *store*."""
+@dataclass(frozen=True)
+class LiveWorkload:
+    """An engine already serving (sparkrun's, a hibernate), captured where it runs: no launch,
+    and a failure never stops it (a failed checkpoint leaves it running, its device memory
+    taken back); once the capsule holds it, what the checkpoint left of it is stopped."""
+
+    unit: RunningUnit
+    log_path: Path
+    #: the payload of the capsule it came back from, kept if still intact
+    native: NativePayload | None = None
+
+
+def capture(
+    req: CaptureRequest, *, store: CapsuleStore, settings: Settings | None = None, progress: Progress = QUIET, live: LiveWorkload | None = None,
+) -> CaptureOutcome:  # fmt: skip
+    """Launch the engine (or take the *live* one), validate it, capture it into a capsule in *store*."""
     settings = settings or settings_mod.current()
-    rb = ReceiptBuilder("capture", request_sha256=req.digest())
+    rb = ReceiptBuilder("capture" if live is None else "hibernate", request_sha256=req.digest())
     rb.capsule_ref = req.capsule.ref
     rb.secrets = req.workload.secret_values()
+    if live is not None:
+        rb.details["root_pid"] = live.unit.root_pid
     w = req.workload
+    # For a live workload attempt.running stays None: a failure must never stop it.
     with settings_mod.using(settings), Attempt(rb) as attempt:
         with rb.phase("admission"):
-            require_one_unit(w, "capture")
-            # What a capture killed outright left (its engine on the port, io_uring off) is undone first.
-            recovered = leftovers.recover()
-            if recovered.stopped:
-                rb.details["recovered"] = list(recovered.stopped)
-            r = resolve(w, settings)
-            support = r.driver.support(host_facts())
-            if not support.ok:
-                raise CaptureError("snapshot driver %s cannot capture on this host: %s" % (r.driver.name, support.reason))
-            holder = port_holder(w.launch.port)
-            if holder:
-                raise CaptureError("port %d is in use by %s: stop that workload (sparkrun stop) or capture on another port" % (w.launch.port, holder))
-            r.launcher.check_capturable()
-            pin_problem = pinning.launch_problem(w, r.adapter)
-            if pin_problem:
-                raise RequestError(pin_problem)
-            if not w.model.path:
-                raise RequestError("the pinned snapshot of %s@%s is not in the model cache (HF_HOME): a capsule is bound to the files of that snapshot; download that revision first" % (w.model.id, w.model.revision))
+            r, model_dir = _admitted(req, settings, rb, live=live is not None)
             store.init()
         with rb.phase("model_digests"):
-            recorded_files = model_files.record(Path(w.model.path))
+            recorded_files = model_files.record(model_dir)
         native_wanted = weight_paths.writes_native(w, r.driver, r.adapter)
-        command, env = r.adapter.prepare_launch(w.launch.command, r.launcher.engine_env(w, r.engine_env, settings.environ), release_weights=r.driver.needs_release, native_weights=native_wanted)
-        launched = command, dict(env)
-        command, env = r.driver.launch_settings(command, env, adapter=r.adapter, topology=w.topology)
-        if (command, env) != launched:  # what the driver needs of the launch, for whoever reads the receipt
-            rb.details["driver_launch"] = {"flags": command[len(launched[0]) :].split(), "env": {k: v for k, v in env.items() if launched[1].get(k) != v}}
-        command = r.driver.launch_command(command, r.adapter, settings)
-        log_path = paths.run_dir() / "logs" / ("capture-%s-%d.log" % (req.capsule.name, os.getpid()))
-        log_path.unlink(missing_ok=True)
-        unit_def = w.topology.units[0]
         with contextlib.ExitStack() as stack:
-            stack.enter_context(io_uring_disabled())
-            staging = stack.enter_context(store.staging_dir("capture-"))
-            progress.step("starting %s for capture (%s, driver %s)" % (w.engine, req.capsule.ref, r.driver.name))
-            with rb.phase("launch"):
-                t0 = time.monotonic()
-                unit = attempt.running = r.launcher.start(w, command, env, log_path=log_path, name="coldsnap-capture-%s" % req.capsule.name)
-            leftovers.adopt(unit.root_pid, "the engine of a capture of %s" % req.capsule.ref)
-            stack.callback(leftovers.release, unit.root_pid)
-            run = CaptureRun(
-                req, r, settings, rb, progress, unit_def, log_path, staging / "units" / unit_def.name,
-                r.adapter.endpoint(w.launch.command, w.model.id, w.launch.port), unit, t0, native_wanted, store,
-            )  # fmt: skip
-            image, validation, native = _checkpoint_at_capture_point(run)
+            if live is None:
+                run = _launched(req, r, settings, rb, progress, attempt, stack, store, native_wanted=native_wanted)
+            else:
+                staging = stack.enter_context(store.staging_dir("hibernate-"))
+                unit_def = w.topology.units[0]
+                run = CaptureRun(
+                    req, r, settings, rb, progress, unit_def, live.log_path, staging / "units" / unit_def.name, r.adapter.endpoint(w.launch.command, w.model.id, w.launch.port),
+                    live.unit, time.monotonic(), native_wanted, store, staging, live=True, native_reuse=live.native,
+                )  # fmt: skip
+            try:
+                image, validation, native = _checkpoint_at_capture_point(run)
+            except ColdsnapError as err:
+                if run.live:
+                    _give_memory_back(run, err)
+                raise
             # Past the checkpoint: a serving tree is gone (a container stopped), a template
             # served once for the reply; either way nothing of it is needed any more.
             attempt.running = None
-            unit.stop(grace=10.0)
-            unit.reap()
+            if run.live:
+                with rb.phase("stop"):
+                    run.unit.stop(grace=10.0)  # what the checkpoint left of the tree (CRIU ended it already)
+            else:
+                run.unit.stop(grace=10.0)
+                run.unit.reap()
             engine_temp.sweep(keep=frozenset(f.path for f in image.files))  # the stopped engine's sockets and init files in /tmp
-            desc = package(run, staging, image, validation, native, recorded_files)
+            desc = package(run, run.staging, image, validation, native, recorded_files)
         rb.capsule = desc.digest
         return CaptureOutcome(finish(rb, None), capsule_mod.open_capsule(store, req.capsule.ref))
+
+
+def _admitted(req: CaptureRequest, settings: Settings, rb: ReceiptBuilder, *, live: bool) -> tuple[Resolved, Path]:
+    """The workload resolved and admitted for capture on this host, before anything starts; the pinned snapshot's directory."""
+    w = req.workload
+    require_one_unit(w, "capture")
+    if not live:
+        # What a capture killed outright left (its engine on the port, io_uring off) is undone first.
+        recovered = leftovers.recover()
+        if recovered.stopped:
+            rb.details["recovered"] = list(recovered.stopped)
+    r = resolve(w, settings)
+    admit_driver_here(r)
+    if not live:
+        holder = port_holder(w.launch.port)
+        if holder:
+            raise CaptureError("port %d is in use by %s: stop that workload (sparkrun stop) or capture on another port" % (w.launch.port, holder))
+    r.launcher.check_capturable()
+    if live and w.launch.executor != "local":
+        raise RequestError("hibernate runs on host-process workloads (executor local); this one runs with executor %s" % w.launch.executor)
+    return r, admit_snapshot(w, r.adapter, launches=not live)
+
+
+def _launched(
+    req: CaptureRequest, r: Resolved, settings: Settings, rb: ReceiptBuilder, progress: Progress, attempt: Attempt, stack: contextlib.ExitStack, store: CapsuleStore,
+    *, native_wanted: bool,
+) -> CaptureRun:  # fmt: skip
+    """The engine started for capture with what its driver needs of the launch, io_uring off
+    while it runs; the unit is *attempt*'s to stop on a failure, and a leftover until it ends."""
+    w = req.workload
+    command, env = r.adapter.prepare_launch(w.launch.command, r.launcher.engine_env(w, r.engine_env, settings.environ), release_weights=r.driver.needs_release, native_weights=native_wanted)
+    launched = command, dict(env)
+    command, env = r.driver.launch_settings(command, env, adapter=r.adapter, topology=w.topology)
+    if (command, env) != launched:  # what the driver needs of the launch, for whoever reads the receipt
+        rb.details["driver_launch"] = {"flags": command[len(launched[0]) :].split(), "env": {k: v for k, v in env.items() if launched[1].get(k) != v}}
+    command = r.driver.launch_command(command, r.adapter, settings)
+    log_path = paths.run_dir() / "logs" / ("capture-%s-%d.log" % (req.capsule.name, os.getpid()))
+    log_path.unlink(missing_ok=True)
+    unit_def = w.topology.units[0]
+    stack.enter_context(io_uring_disabled())
+    staging = stack.enter_context(store.staging_dir("capture-"))
+    progress.step("starting %s for capture (%s, driver %s)" % (w.engine, req.capsule.ref, r.driver.name))
+    with rb.phase("launch"):
+        t0 = time.monotonic()
+        unit = attempt.running = r.launcher.start(w, command, env, log_path=log_path, name="coldsnap-capture-%s" % req.capsule.name)
+    leftovers.adopt(unit.root_pid, "the engine of a capture of %s" % req.capsule.ref)
+    stack.callback(leftovers.release, unit.root_pid)
+    return CaptureRun(
+        req, r, settings, rb, progress, unit_def, log_path, staging / "units" / unit_def.name,
+        r.adapter.endpoint(w.launch.command, w.model.id, w.launch.port), unit, t0, native_wanted, store, staging,
+    )  # fmt: skip
+
+
+def _give_memory_back(run: CaptureRun, err: ColdsnapError) -> None:
+    """After a failed checkpoint, a live tree that still runs gets back the device memory it released for it."""
+    released = "release_memory" in {p.name for p in run.rb.phases}
+    if not released or not run.unit.alive():
+        run.rb.details["workload_state"] = "running" if run.unit.alive() else "gone"
+        return
+    try:
+        with run.rb.phase("wake_after_failure"):
+            run.r.adapter.wake(run.endpoint, 2, model_dir=run.req.workload.model.path or "")
+        run.rb.details["workload_state"] = "running"
+    except ColdsnapError as wake_err:
+        run.rb.details["workload_state"] = "running, its memory released"
+        err.args = ("%s; waking it again also failed: %s" % (err.message, wake_err),)
 
 
 def package(run: CaptureRun, staging: Path, image: UnitImage, validation: Validation, native: NativePayload | None, recorded_files: tuple) -> Descriptor:
@@ -138,24 +204,34 @@ def package(run: CaptureRun, staging: Path, image: UnitImage, validation: Valida
     image = _without_zero_pages(r.driver, run.images, image, rb, progress, enabled=run.settings.zero_pages)
     with rb.phase("pack"), progress.transfer("packing %.1f MB of process images" % (image.image_bytes / 1e6), image.image_bytes) as tick:
         layers = pack_unit(run.images, unit_def.name, staging, tick=tick)
-    config = CapsuleConfig(
-        name=req.capsule.name,
-        tag=req.capsule.tag,
-        created=capsule_mod.now_iso(),
-        request_sha256=req.digest(),
-        workload=w.redacted(),
-        fingerprint=r.fingerprint(w, image.criu_version),
-        engine=EngineRecord(name=w.engine, version=r.adapter.version(r.facts.packages) if r.facts else None),
-        driver=r.driver.name,
-        validation=CapturedValidation(prompt=req.validation.prompt, max_tokens=req.validation.max_tokens, reply=validation.reply or "", request_ttft_seconds=validation.request_ttft_seconds),
-        weights=WeightsRecord(location="in-image" if r.driver.weights_in_image else "external", model_id=w.model.id, revision=w.model.revision, files=recorded_files, native=native),
-        units=(image,),
-    )
+    config = capsule_config(req, r, r.fingerprint(w, image.criu_version), validation, recorded_files, native, (image,))
     with rb.phase("publish"):
         desc = capsule_mod.publish(run.store, layers, config)
     rb.details["image_bytes"] = image.image_bytes
     rb.details["capsule_bytes"] = sum(layer.size for layer in layers)
     return desc
+
+
+def capsule_config(
+    req: CaptureRequest, r: Resolved, fingerprint: Fingerprint, validation: Validation, recorded_files: tuple[ModelFile, ...], native: NativePayload | None,
+    units: tuple[UnitImage, ...],
+) -> CapsuleConfig:  # fmt: skip
+    """What a capsule of *units* records, one unit or several: the redacted workload, the host it
+    must be restored on (*fingerprint*), the engine, the reply restores must give, the weights."""
+    w = req.workload
+    return CapsuleConfig(
+        name=req.capsule.name,
+        tag=req.capsule.tag,
+        created=capsule_mod.now_iso(),
+        request_sha256=req.digest(),
+        workload=w.redacted(),
+        fingerprint=fingerprint,
+        engine=EngineRecord(name=w.engine, version=r.adapter.version(r.facts.packages) if r.facts else None),
+        driver=r.driver.name,
+        validation=CapturedValidation(prompt=req.validation.prompt, max_tokens=req.validation.max_tokens, reply=validation.reply or "", request_ttft_seconds=validation.request_ttft_seconds),
+        weights=WeightsRecord(location="in-image" if r.driver.weights_in_image else "external", model_id=w.model.id, revision=w.model.revision, files=recorded_files, native=native),
+        units=units,
+    )
 
 
 def _without_zero_pages(driver: SnapshotDriver, images: Path, image: UnitImage, rb: ReceiptBuilder, progress: Progress, *, enabled: bool) -> UnitImage:

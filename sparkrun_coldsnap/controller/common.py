@@ -3,6 +3,7 @@ readiness and validation of a running engine."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -89,19 +90,23 @@ def finish(rb: ReceiptBuilder, err: BaseException | None) -> Receipt:
 
 
 class Attempt:
-    """One operation's failure handling, in one place.
+    """One operation's failure handling, in one place, for one unit or several.
 
-    On any failure it stops the unit the operation started (``running``), runs the
-    registered cleanups, and gives a :class:`ColdsnapError` its failed (or refused)
-    receipt; the error itself propagates unchanged, a cleanup failure reported beside it.
+    On any failure it stops what the operation started: the one local unit (``running``), or
+    every unit on its host (*stop*, which returns its problems, one per unit, and *told*, what
+    the message adds once they are stopped); then it runs the registered cleanups, last
+    registered first; and it gives a :class:`ColdsnapError` its failed (or refused) receipt.
+    The error itself propagates unchanged, a stop or cleanup failure reported beside it.
     """
 
-    def __init__(self, rb: ReceiptBuilder) -> None:
+    def __init__(self, rb: ReceiptBuilder, *, stop: Callable[[], list[str]] | None = None, told: str = "") -> None:
         self.rb = rb
         self.running: RunningUnit | None = None
-        self._cleanups: list[Any] = []
+        self._stop = stop
+        self._told = told
+        self._cleanups: list[Callable[[], object]] = []
 
-    def on_failure(self, cleanup: Any) -> None:
+    def on_failure(self, cleanup: Callable[[], object]) -> None:
         self._cleanups.append(cleanup)
 
     def __enter__(self) -> Attempt:
@@ -111,24 +116,35 @@ class Attempt:
         if err is None:
             return False
         if self.running is not None:
+            self._stop_running(err, self.running)
+        problems = self._stop() if self._stop is not None else []
+        for cleanup in reversed(self._cleanups):
             try:
-                self.running.stop(grace=5.0)
-                self.running.reap()
-                # Say where things stand now: whatever the failure said of the tree at the
-                # time, the engine this operation started is no longer running.
-                self.rb.details["workload_state"] = "stopped"
-                if isinstance(err, ColdsnapError):
-                    err.args = ("%s; the engine this %s started has been stopped" % (err.message, self.rb.operation),)
-            except Exception as stop_failed:  # noqa: BLE001 - reported beside the first error
-                self.rb.details["workload_state"] = "unknown"
-                err.args = (describe_cleanup_failure(err, stop_failed),)
-        for cleanup in self._cleanups:
-            cleanup()
+                cleanup()
+            except ColdsnapError as cleanup_err:  # reported beside the first error
+                problems.append(cleanup_err.message)
         if isinstance(err, ColdsnapError):
+            if self._told:
+                err.args = ("%s; %s%s" % (err.message, self._told, " (%s)" % "; ".join(problems) if problems else ""),)
+            elif problems:
+                err.args = (describe_cleanup_failure(err, ColdsnapError("; ".join(problems))),)
             if self.rb.secrets:  # the message is printed and logged too
                 err.args = (secrets.scrub(err.message, self.rb.secrets),)
             err.receipt = finish(self.rb, err)
         return False
+
+    def _stop_running(self, err: BaseException, running: RunningUnit) -> None:
+        try:
+            running.stop(grace=5.0)
+            running.reap()
+            # Say where things stand now: whatever the failure said of the tree at the
+            # time, the engine this operation started is no longer running.
+            self.rb.details["workload_state"] = "stopped"
+            if isinstance(err, ColdsnapError):
+                err.args = ("%s; the engine this %s started has been stopped" % (err.message, self.rb.operation),)
+        except Exception as stop_failed:  # noqa: BLE001 - reported beside the first error
+            self.rb.details["workload_state"] = "unknown"
+            err.args = (describe_cleanup_failure(err, stop_failed),)
 
 
 def validate(r: Resolved, endpoint: Endpoint, req: CaptureRequest | RestoreRequest, t0: float, expected: str | None) -> Validation:

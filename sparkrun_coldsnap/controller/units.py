@@ -5,7 +5,7 @@ ranks are started on their hosts (head first, workers once the head listens on t
 port) with what the driver needs of their launch, and validated through rank 0; where the
 weights leave the capsule (GPU drivers) every rank writes its native payload on its host and
 the engine releases its memory, both asked of rank 0; every unit's files are recorded on its
-host; the units are checkpointed at one consistent cut (``coordinated_checkpoint``: every
+host; the units are checkpointed at one consistent cut (``cut.checkpoint_units``: every
 unit's devices locked, then checkpointed, then every unit stopped and dumped) and end there;
 each host leaves its zero pages out and packs its own unit's layers, which are gathered
 (digests checked) into the one store; the capsule is published only when every unit's layers
@@ -16,7 +16,7 @@ captured on: the ranks' connections come back as they were, to the captured addr
 every unit is admitted on its own host with that host's fingerprint; each host receives and
 unpacks its unit's layers; all before anything is stopped. Then the workload being replaced
 is stopped, every unit is restored on its host at once, still stopped at the cut, recorded as
-its rank (sparkrun's ``status``/``stop`` see it) and continued (``coordinated_restore``: then
+its rank (sparkrun's ``status``/``stop`` see it) and continued (``cut.restore_units``: then
 every unit's devices given back, then unlocked), the weights brought back through rank 0, and
 the reply through rank 0 is checked against the one recorded at capture.
 
@@ -31,19 +31,17 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
-from sparkrun_coldsnap import extensions
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
-from sparkrun_coldsnap.capsule.config import CapsuleConfig, CapturedValidation, EngineRecord, NativePayload, WeightsRecord
+from sparkrun_coldsnap.capsule.config import NativePayload
 from sparkrun_coldsnap.capsule.pack import PackedLayer
 from sparkrun_coldsnap.capsule.store import CapsuleStore
-from sparkrun_coldsnap.compat import pinning
 from sparkrun_coldsnap.compat.fingerprint import Fingerprint, compare
 from sparkrun_coldsnap.controller import units_weights
-from sparkrun_coldsnap.controller.capture import CaptureOutcome
-from sparkrun_coldsnap.controller.common import Resolved, finish, resolve, validate
-from sparkrun_coldsnap.controller.coordinated_checkpoint import UnitOnHost, checkpoint_units
+from sparkrun_coldsnap.controller.admit import admit_snapshot, resolve_across_hosts
+from sparkrun_coldsnap.controller.capture import CaptureOutcome, capsule_config
+from sparkrun_coldsnap.controller.common import Attempt, Resolved, finish, validate
+from sparkrun_coldsnap.controller.cut import UnitOnHost, checkpoint_units, on_every_unit
 from sparkrun_coldsnap.controller.units_agent import AgentCut, AgentDevices
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder, Validation
@@ -51,10 +49,9 @@ from sparkrun_coldsnap.documents.request import CaptureRequest, LaunchUnit, Rest
 from sparkrun_coldsnap.documents.settings import Settings
 from sparkrun_coldsnap.drivers.base import UnitImage
 from sparkrun_coldsnap.engines.base import Endpoint
-from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, RequestError, ValidationError
+from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, ValidationError
 from sparkrun_coldsnap.host import iouring
 from sparkrun_coldsnap.host.file_drift import RecordedFile
-from sparkrun_coldsnap.host.threads import ContextPool
 from sparkrun_coldsnap.launch.remote import UnitHosts
 from sparkrun_coldsnap.progress import QUIET, Progress
 from sparkrun_coldsnap.units.steps import CaptureFactsStep, FilesStep, InboxStep, IoUringBackStep, IoUringOffStep, PackStep, RemoveStep
@@ -63,32 +60,6 @@ from sparkrun_coldsnap.weights import model_files, weight_paths
 
 def ordered(w: Workload) -> list[LaunchUnit]:
     return sorted(w.topology.units, key=lambda u: u.rank)
-
-
-def _parallel(units: Sequence[LaunchUnit], step: Callable[[LaunchUnit], Any]) -> dict[str, Any]:
-    """*step* of every unit at once; every unit's outcome waited for, then the first failure raised."""
-    with ContextPool(max_workers=max(1, len(units))) as pool:
-        futures = {u.name: pool.submit(step, u) for u in units}
-        out, errors = {}, []
-        for u in units:
-            try:
-                out[u.name] = futures[u.name].result()
-            except ColdsnapError as err:
-                errors.append(err)
-    if errors:
-        raise errors[0]
-    return out
-
-
-def _resolved(w: Workload, settings: Settings) -> Resolved:
-    r = resolve(w, settings)
-    if not r.driver.across_hosts:
-        able = [d.name for d in extensions.registry().drivers_by_preference() if d.across_hosts]
-        raise RequestError(
-            "driver %s cannot capture a workload of several hosts (%s can): set coldsnap.driver to one of those, or capture each host's engine on its own" % (r.driver.name, ", ".join(able)),
-            code="request.multi_host",
-        )
-    return r
 
 
 def rank0_endpoint(r: Resolved, w: Workload, hosts: UnitHosts) -> Endpoint:
@@ -156,19 +127,6 @@ def start_units(
     return validation, t0
 
 
-def stop_on_failure(rb: ReceiptBuilder, hosts: UnitHosts, err: BaseException, cleanups: list[Callable[[], None]], what: str) -> None:
-    """Stop every unit this operation started, run its cleanups, give the error its receipt."""
-    problems = hosts.stop_all()
-    for cleanup in reversed(cleanups):
-        try:
-            cleanup()
-        except ColdsnapError as cleanup_err:
-            problems.append(cleanup_err.message)
-    if isinstance(err, ColdsnapError):
-        err.args = ("%s; %s%s" % (err.message, what, " (%s)" % "; ".join(problems) if problems else ""),)
-        err.receipt = finish(rb, err)
-
-
 def capture_units(
     req: CaptureRequest, hosts: UnitHosts, *, store: CapsuleStore, init_port: int, settings: Settings | None = None, progress: Progress = QUIET,
 ) -> CaptureOutcome:  # fmt: skip
@@ -179,63 +137,46 @@ def capture_units(
     w = req.workload
     units = ordered(w)
     by_name = {u.name: u for u in units}
-    cleanups: list[Callable[[], None]] = []
-    with settings_mod.using(settings):
-        try:
-            with rb.phase("admission"):
-                r = _resolved(w, settings)
-                pin_problem = pinning.launch_problem(w, r.adapter)
-                if pin_problem:
-                    raise RequestError(pin_problem)
-                if not w.model.path:
-                    raise RequestError("the pinned snapshot of %s@%s is not in the model cache (HF_HOME): download that revision first" % (w.model.id, w.model.revision))
-                native_wanted = weight_paths.writes_native(w, r.driver, r.adapter)
-                launches = capture_launches(r, w, units, rb, native_wanted=native_wanted)  # a refused setting stops it here, before anything starts
-                hosts.check_reachable(units)
-                fingerprint = _capture_facts(req, r, hosts, units)
-                if hosts.listening(units[0], w.launch.port):
-                    raise CaptureError("port %d is in use on host %s (unit %s): stop that workload (sparkrun stop) or capture on another port" % (w.launch.port, units[0].host, units[0].name))
-                store.init()
-            with rb.phase("model_digests"):
-                recorded_files = model_files.record(Path(w.model.path))
-            with store.staging_dir("capture-") as staging, _io_uring_off(hosts, units):
-                progress.step("starting %d units of %s for capture on %s" % (len(units), req.capsule.ref, ", ".join(u.host for u in units)))
-                validation, _ = start_units(r, req, hosts, rb, progress, init_port=init_port, launch=lambda u: launches[u.name])
-                progress.note("first token %.1f s after launch; reply %r" % (validation.ttft_seconds or 0, validation.reply))
-                rb.details["vanilla_ttft_seconds"] = validation.ttft_seconds
-                native, native_files = _release(r, req, hosts, units, rb, progress, native_wanted=native_wanted)
-                images, files, scratch = _checkpoint(r, hosts, units, by_name, rb, progress, cleanups)
-                layers = _gather(req, hosts, units, scratch, staging, rb, progress, zero_pages=settings.zero_pages)
-                _remove(hosts, units, scratch)  # gathered: the hosts' copies are not needed any more
-                with rb.phase("model_check"):
-                    changed = model_files.verify(Path(w.model.path), recorded_files)
-                if changed:
-                    raise CaptureError("the model files changed while the engines loaded them: %s; capture again" % "; ".join(changed))
-                unit_images = tuple(
-                    images[u.name].model_copy(update={
-                        "files": files[u.name], "image_bytes": layers[u.name][1],
-                        "driver_data": {**images[u.name].driver_data, **({"native_files": native_files[u.name]} if native is not None else {})},
-                    })
-                    for u in units
-                )  # fmt: skip
-                config = CapsuleConfig(
-                    name=req.capsule.name, tag=req.capsule.tag, created=capsule_mod.now_iso(), request_sha256=req.digest(), workload=w.redacted(),
-                    fingerprint=fingerprint,
-                    engine=EngineRecord(name=w.engine, version=r.adapter.version(r.facts.packages) if r.facts else None), driver=r.driver.name,
-                    validation=CapturedValidation(prompt=req.validation.prompt, max_tokens=req.validation.max_tokens, reply=validation.reply or "", request_ttft_seconds=validation.request_ttft_seconds),
-                    weights=WeightsRecord(
-                        location="in-image" if r.driver.weights_in_image else "external", model_id=w.model.id, revision=w.model.revision, files=recorded_files, native=native,
-                    ),
-                    units=unit_images,
-                )  # fmt: skip
-                packed = [layer for u in units for layer in layers[u.name][0]]
-                with rb.phase("publish"):
-                    desc = capsule_mod.publish(store, packed, config)
-                rb.details["image_bytes"] = sum(i.image_bytes for i in unit_images)
-                rb.details["capsule_bytes"] = sum(layer.size for layer in packed)
-        except BaseException as err:
-            stop_on_failure(rb, hosts, err, cleanups, "every unit started has been stopped and nothing was published")
-            raise
+    told = "every unit started has been stopped and nothing was published"
+    with settings_mod.using(settings), Attempt(rb, stop=hosts.stop_all, told=told) as attempt:
+        with rb.phase("admission"):
+            r = resolve_across_hosts(w, settings)
+            model_dir = admit_snapshot(w, r.adapter)
+            native_wanted = weight_paths.writes_native(w, r.driver, r.adapter)
+            launches = capture_launches(r, w, units, rb, native_wanted=native_wanted)  # a refused setting stops it here, before anything starts
+            hosts.check_reachable(units)
+            fingerprint = _capture_facts(req, r, hosts, units)
+            if hosts.listening(units[0], w.launch.port):
+                raise CaptureError("port %d is in use on host %s (unit %s): stop that workload (sparkrun stop) or capture on another port" % (w.launch.port, units[0].host, units[0].name))
+            store.init()
+        with rb.phase("model_digests"):
+            recorded_files = model_files.record(model_dir)
+        with store.staging_dir("capture-") as staging, _io_uring_off(hosts, units):
+            progress.step("starting %d units of %s for capture on %s" % (len(units), req.capsule.ref, ", ".join(u.host for u in units)))
+            validation, _ = start_units(r, req, hosts, rb, progress, init_port=init_port, launch=lambda u: launches[u.name])
+            progress.note("first token %.1f s after launch; reply %r" % (validation.ttft_seconds or 0, validation.reply))
+            rb.details["vanilla_ttft_seconds"] = validation.ttft_seconds
+            native, native_files = _release(r, req, hosts, units, rb, progress, native_wanted=native_wanted)
+            images, files, scratch = _checkpoint(r, hosts, units, by_name, rb, progress, attempt.on_failure)
+            layers = _gather(req, hosts, units, scratch, staging, rb, progress, zero_pages=settings.zero_pages)
+            _remove(hosts, units, scratch)  # gathered: the hosts' copies are not needed any more
+            with rb.phase("model_check"):
+                changed = model_files.verify(model_dir, recorded_files)
+            if changed:
+                raise CaptureError("the model files changed while the engines loaded them: %s; capture again" % "; ".join(changed))
+            unit_images = tuple(
+                images[u.name].model_copy(update={
+                    "files": files[u.name], "image_bytes": layers[u.name][1],
+                    "driver_data": {**images[u.name].driver_data, **({"native_files": native_files[u.name]} if native is not None else {})},
+                })
+                for u in units
+            )  # fmt: skip
+            config = capsule_config(req, r, fingerprint, validation, recorded_files, native, unit_images)
+            packed = [layer for u in units for layer in layers[u.name][0]]
+            with rb.phase("publish"):
+                desc = capsule_mod.publish(store, packed, config)
+            rb.details["image_bytes"] = sum(i.image_bytes for i in unit_images)
+            rb.details["capsule_bytes"] = sum(layer.size for layer in packed)
     rb.capsule = desc.digest
     return CaptureOutcome(finish(rb, None), capsule_mod.open_capsule(store, req.capsule.ref))
 
@@ -259,7 +200,7 @@ def _capture_facts(req: CaptureRequest, r: Resolved, hosts: UnitHosts, units: li
     """Every host can capture with the driver and sees the workload as rank 0's host does; rank
     0's fingerprint, the one the capsule records (every host's admission compares its own)."""
     step = CaptureFactsStep(request=req)
-    answers = _parallel(units, lambda u: hosts.call(u, step, timeout=300))
+    answers = on_every_unit(units, lambda u: hosts.call(u, step, timeout=300))
     refused = ["host %s (unit %s): %s" % (u.host, u.name, answers[u.name].reason) for u in units if not answers[u.name].supported]
     if refused:
         raise CaptureError("snapshot driver %s cannot capture on %s" % (r.driver.name, "; ".join(refused)))
@@ -289,16 +230,16 @@ def _release(
 
 def _checkpoint(
     r: Resolved, hosts: UnitHosts, units: list[LaunchUnit], by_name: dict[str, LaunchUnit], rb: ReceiptBuilder, progress: Progress,
-    cleanups: list[Callable[[], None]],
+    on_failure: Callable[[Callable[[], object]], None],
 ) -> tuple[dict[str, UnitImage], dict[str, tuple[RecordedFile, ...]], dict[str, str]]:  # fmt: skip
     """Record every unit's files, checkpoint all at one cut, stop them there; (images, files,
     each host's scratch directory, removed when the operation ends)."""
     roots = {u.name: hosts.root_pid(u) for u in units}
     with rb.phase("record_files"):
-        answers = _parallel(units, lambda u: hosts.call(u, FilesStep(root_pid=roots[u.name], name=hosts.rank_name(u))))
+        answers = on_every_unit(units, lambda u: hosts.call(u, FilesStep(root_pid=roots[u.name], name=hosts.rank_name(u))))
     files = {name: a.files for name, a in answers.items()}
     scratch = {u.name: hosts.call(u, InboxStep()).path for u in units}
-    cleanups.append(lambda: _remove(hosts, units, scratch))
+    on_failure(lambda: _remove(hosts, units, scratch))
     targets = [UnitOnHost(u.name, u.host, roots[u.name], scratch[u.name] + "/images") for u in units]
     devices = AgentDevices(hosts, by_name, r.driver.name) if r.driver.device_state else None
     with rb.phase("checkpoint"), progress.waiting("checkpointing %d units at one cut" % len(units)):
@@ -325,7 +266,7 @@ def _gather(
 ) -> dict[str, tuple[list[PackedLayer], int]]:  # fmt: skip
     """Each host packs its unit's layers; they are copied into *staging* with their digests checked."""
     with rb.phase("pack"), progress.waiting("packing each unit's layers on its host"):
-        packed = _parallel(units, lambda u: hosts.call(u, PackStep(
+        packed = on_every_unit(units, lambda u: hosts.call(u, PackStep(
             images=scratch[u.name] + "/images", unit=u.name, out=scratch[u.name] + "/layers", driver=req.workload.driver, zero_pages=zero_pages,
         ), timeout=1800))  # fmt: skip
     out: dict[str, tuple[list[PackedLayer], int]] = {}

@@ -1,6 +1,6 @@
 """The coordinated checkpoint's and restore's steps, each on the unit's host through its agent.
 
-``coordinated_checkpoint`` and ``coordinated_restore`` say in which order the steps run over
+``cut`` says in which order the steps run over
 the units; these classes say how one step reaches one unit: a typed step of
 ``units/steps.py`` run on the unit's host (``UnitHosts.call``), or a signal to the unit's
 process group there. A failure names the step, the unit and its host in one line.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sparkrun_coldsnap.controller.coordinated_checkpoint import UnitOnHost
+from sparkrun_coldsnap.controller.cut import UnitOnHost
 from sparkrun_coldsnap.documents.request import LaunchUnit
 from sparkrun_coldsnap.drivers.base import UnitImage
 from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, RestoreError
@@ -35,7 +35,7 @@ DEVICE_STEP_SECONDS = {"devices_lock": 900.0, "devices_checkpoint": 1800.0, "dev
 
 
 class AgentCut:
-    """The cut's steps on each unit's process tree (``coordinated_checkpoint.Cut``)."""
+    """The cut's steps on each unit's process tree (``cut.Cut``)."""
 
     def __init__(self, hosts: UnitHosts, units: dict[str, LaunchUnit], driver: str) -> None:
         self.hosts, self.units, self.driver = hosts, units, driver
@@ -58,7 +58,7 @@ class AgentCut:
 
 
 class AgentDevices:
-    """The cut's steps on each unit's device state (``coordinated_checkpoint.DeviceSteps``);
+    """The cut's steps on each unit's device state (``cut.DeviceSteps``);
     keeps what each unit's lock recorded, which every later step of that unit is given."""
 
     def __init__(self, hosts: UnitHosts, units: dict[str, LaunchUnit], driver: str) -> None:
@@ -87,7 +87,7 @@ class AgentDevices:
 
 
 class AgentRestore:
-    """The restore's steps on each unit (``coordinated_restore.RestoreSteps``), from the images
+    """The restore's steps on each unit (``cut.RestoreSteps``), from the images
     each host staged."""
 
     def __init__(self, hosts: UnitHosts, images: dict[str, UnitImage], staged: dict[str, str], driver: str) -> None:

@@ -14,9 +14,10 @@ from sparkrun_coldsnap.capsule import media
 from sparkrun_coldsnap.capsule.capsule import Capsule
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.controller import units_weights
-from sparkrun_coldsnap.controller.common import Resolved, ServingOutcome, finish, validate
-from sparkrun_coldsnap.controller.coordinated_restore import restore_units
-from sparkrun_coldsnap.controller.units import _parallel, _resolved, ordered, rank0_endpoint, stop_on_failure
+from sparkrun_coldsnap.controller.admit import resolve_across_hosts
+from sparkrun_coldsnap.controller.common import Attempt, Resolved, ServingOutcome, finish, validate
+from sparkrun_coldsnap.controller.cut import on_every_unit, restore_units
+from sparkrun_coldsnap.controller.units import ordered, rank0_endpoint
 from sparkrun_coldsnap.controller.units_agent import AgentRestore
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder, Weights
@@ -88,8 +89,9 @@ def prepare_units(req: RestoreRequest, hosts: UnitHosts, *, store: CapsuleStore,
             store.check_trusted()
             cap = capsule_mod.open_capsule(store, req.capsule.ref)
             rb.capsule = cap.digest
-        prepared = PreparedUnits(req, cap, _resolved(req.workload, settings), settings, rb, hosts)
-        try:
+        prepared = PreparedUnits(req, cap, resolve_across_hosts(req.workload, settings), settings, rb, hosts)
+        with Attempt(rb) as attempt:
+            attempt.on_failure(prepared.discard)
             with rb.phase("prepare.admission"):
                 refuse_topology(cap, req)
                 if cap.config.driver != prepared.resolved.driver.name:
@@ -99,12 +101,7 @@ def prepare_units(req: RestoreRequest, hosts: UnitHosts, *, store: CapsuleStore,
                 if prepared.weights is not None and prepared.weights.note:
                     rb.details["weights_note"] = prepared.weights.note
             with rb.phase("prepare.stage"), progress.waiting("sending and unpacking each unit's layers on its host"):
-                prepared.staged = _parallel(units, lambda u: _stage(store, cap, hosts, u))
-        except BaseException as err:
-            prepared.discard()
-            if isinstance(err, ColdsnapError):
-                err.receipt = finish(rb, err)
-            raise
+                prepared.staged = on_every_unit(units, lambda u: _stage(store, cap, hosts, u))
     prepared.prepare_seconds = time.monotonic() - t
     return prepared
 
@@ -112,7 +109,7 @@ def prepare_units(req: RestoreRequest, hosts: UnitHosts, *, store: CapsuleStore,
 def _admit_everywhere(cap: Capsule, req: RestoreRequest, hosts: UnitHosts, units: list[LaunchUnit]) -> WeightChoice | None:
     """Every unit admitted on its host (its GPUs, its PIDs, its files, its part of the weights);
     the one weight path every host can take."""
-    answers = _parallel(units, lambda u: hosts.call(u, AdmitStep(config=cap.config, request=req, unit=u.name, pattern=hosts.rank_pattern(u)), timeout=300))
+    answers = on_every_unit(units, lambda u: hosts.call(u, AdmitStep(config=cap.config, request=req, unit=u.name, pattern=hosts.rank_pattern(u)), timeout=300))
     refused = ["unit %s on host %s: %s" % (u.name, u.host, "; ".join(answers[u.name].problems)) for u in units if answers[u.name].problems]
     if refused:
         raise CompatibilityError("admission refused for capsule %s: %s" % (req.capsule.ref, " | ".join(refused)))
@@ -139,7 +136,7 @@ def activate_units(prepared: PreparedUnits, *, progress: Progress = QUIET) -> Se
     roots: dict[str, int] = {}
     try:
         with settings_mod.using(prepared.settings):
-            try:
+            with Attempt(rb, stop=lambda: _stop_restored(hosts, units, roots), told="every unit restored has been stopped"):
                 with rb.phase("evict"):
                     replaced = hosts.stop_named(units)
                 if replaced:
@@ -161,10 +158,6 @@ def activate_units(prepared: PreparedUnits, *, progress: Progress = QUIET) -> Se
                     raise ValidationError("restored rank 0 replied %r, capsule %s recorded %r: the capsule does not match these hosts; recapture" % (validation.reply, req.capsule.ref, expected))
                 if prepared.weights is None:
                     rb.weights = Weights(path="in-image")
-            except BaseException as err:
-                _kill_restored(hosts, units, roots)
-                stop_on_failure(rb, hosts, err, [], "every unit restored has been stopped")
-                raise
             rb.details["prepare_seconds"] = round(prepared.prepare_seconds, 4)
             rb.details["units"] = {
                 u.name: {"host": u.host, "root_pid": roots[u.name], "restore_seconds": round(done.phases[u.name]["restore"], 4), "phases": {k: round(v, 4) for k, v in done.phases[u.name].items()}}
@@ -176,24 +169,27 @@ def activate_units(prepared: PreparedUnits, *, progress: Progress = QUIET) -> Se
                 if tiles is not None:
                     rb.details["units"][u.name]["amx_permission"] = tiles
             rb.details["barriers"] = {k: round(v, 4) for k, v in done.barriers.items()}
-            return ServingOutcome(finish(rb, None), roots[units[0].name], validation.ttft_seconds, _NoUnit(units[0].host))
+            return ServingOutcome(finish(rb, None), roots[units[0].name], validation.ttft_seconds, SparkrunRanks(units[0].host))
     finally:
         prepared.discard()
 
 
-def _kill_restored(hosts: UnitHosts, units: list[LaunchUnit], roots: dict[str, int]) -> None:
-    """Restored trees not yet adopted as ranks: ended by their process group."""
+def _stop_restored(hosts: UnitHosts, units: list[LaunchUnit], roots: dict[str, int]) -> list[str]:
+    """Restored trees not yet adopted as ranks ended by their process group, then every unit
+    this operation started or adopted stopped; the problems, one per unit."""
     for u in units:
         if u.name in roots:
             try:
                 hosts.signal_group(u, roots[u.name], "KILL")
             except ColdsnapError:
                 pass
+    return hosts.stop_all()
 
 
-class _NoUnit:
-    """What a multi-unit restore hands back as its unit: the ranks are sparkrun's (stop them with
-    ``sparkrun stop``); this process holds no tree of its own."""
+class SparkrunRanks:
+    """The unit a restore of several units hands back: the ranks it restored, each recorded on
+    its host as sparkrun's (``sparkrun status`` sees them, ``sparkrun stop`` stops them). This
+    process holds no tree of its own, so stopping or reaping here does nothing; *host* is rank 0's."""
 
     def __init__(self, host: str) -> None:
         self.host = host

@@ -96,7 +96,7 @@ class SnapshotDriver(ABC):
     own_namespaces: ClassVar[bool] = False
     #: a workload placed on several hosts can be captured and restored with this driver: each
     #: unit's steps run on its own host (``units/agent.py``) around one cut across
-    #: every host (``controller/coordinated_checkpoint.py``).
+    #: every host (``controller/cut.py``).
     across_hosts: ClassVar[bool] = False
     #: besides the process images, the unit has device state that the driver's own calls move
     #: to host memory and back (n610: the CUDA checkpoint API). A cut across hosts then locks

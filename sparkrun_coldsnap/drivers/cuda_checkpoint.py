@@ -212,7 +212,7 @@ def lock_all(api: CheckpointApi, pids: Sequence[int], *, timeout_ms: int = LOCK_
     """Lock every process of *pids*; on failure every one is put back to running first.
 
     The first half of :func:`checkpoint_all`; a cut across hosts locks every host's
-    processes before any host checkpoints (``controller/coordinated_checkpoint.py``)."""
+    processes before any host checkpoints (``controller/cut.py``)."""
     locked: list[int] = []
     try:
         for pid in pids:

@@ -2,7 +2,7 @@
 
 On one host the n610 driver locks, checkpoints and dumps in one call (``gpu_ranks.capture``),
 and restores then unlocks in another. Across hosts the coordinator
-(``controller/coordinated_checkpoint.py``, ``controller/coordinated_restore.py``) calls each
+(``controller/cut.py``) calls each
 step on every unit before it calls the next step on any: every CUDA process of every host is
 locked before any is checkpointed, every one is checkpointed before any tree is stopped and
 dumped, and every host's processes have their GPUs back before any is unlocked. A rank left

@@ -1,4 +1,7 @@
-"""Every unit of a workload on several hosts checkpointed at one consistent cut, or none.
+"""The one place that decides the order of the barriers across hosts: a capture's cut and a
+restore's walk back over it, and how a step runs on every unit at once.
+
+Checkpoint. Every unit of a workload on several hosts checkpointed at one consistent cut, or none.
 
 The ranks' connections come back only when both ends of each are restored from dumps of one
 moment, so the units are checkpointed in barriers; each step runs on every unit (on its own
@@ -23,18 +26,57 @@ A unit whose host stops answering or whose step fails makes the whole checkpoint
 line naming the host and the unit; the others are put back as they were and nothing their
 dumps wrote is kept. The result has each unit's phases and the time spent at each barrier
 (the slowest unit sets it).
-"""
+
+Restore. Every unit of a capsule of several units restored, each on its own host, as one workload.
+
+The checkpoint's barriers, walked back; each step runs on every unit (on its host, all hosts
+at once) before the next step runs on any:
+
+1. hold back: every host drops the packets arriving for its unit's connections to the other
+   hosts (``host/peer_lock.py``), so no end restored early meets a peer not yet restored;
+2. restore: every unit's tree restored by CRIU on its host; it comes back stopped at the cut
+   (it was stopped when it was dumped), in the host's namespaces with its captured PIDs and
+   addresses, its connections to the other hosts' units with it; once every unit is back,
+   every host lets its connections' packets through again;
+3. adopt: every restored root recorded as its rank (from here the manager sees and stops it);
+4. continue: every unit continued (SIGCONT), now that every end of every connection is back;
+5. devices, for drivers with device state apart from the images (n610): every unit's device
+   users get their devices back, still locked, then every unit's are unlocked. The driver's
+   calls are carried out by threads of the processes themselves, so they come after the
+   continue; and no rank may compute before every rank has its device memory back, or a
+   collective would wait on a peer that has none.
+
+A failure stops at the barrier it happened at and is raised; the caller ends every tree
+restored (*roots* is filled as each unit's restore returns, so a failure on another host
+still finds them)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from sparkrun_coldsnap.documents.request import LaunchUnit
 from sparkrun_coldsnap.errors import CaptureError, ColdsnapError
 from sparkrun_coldsnap.host.threads import ContextPool
+
+
+def on_every_unit[T](units: Sequence[LaunchUnit], step: Callable[[LaunchUnit], T]) -> dict[str, T]:
+    """*step* of every unit at once, by unit name; every unit's outcome waited for, then the first failure raised."""
+    with ContextPool(max_workers=max(1, len(units))) as pool:
+        futures = {u.name: pool.submit(step, u) for u in units}
+        out: dict[str, T] = {}
+        errors: list[ColdsnapError] = []
+        for u in units:
+            try:
+                out[u.name] = futures[u.name].result()
+            except ColdsnapError as err:
+                errors.append(err)
+    if errors:
+        raise errors[0]
+    return out
 
 
 @dataclass(frozen=True)
@@ -105,8 +147,8 @@ def checkpoint_units(cut: Cut, units: Sequence[UnitOnHost], *, resume: bool = Tr
     with ContextPool(max_workers=max(1, len(units))) as pool:
         try:
             if devices is not None:
-                _every(pool, units, devices.lock, out, "lock", "locked", out.devices, held, after="locked")
-                _every(pool, units, devices.checkpoint, out, "device_checkpoint", "checkpointed", {}, held, after="checkpointed")
+                _every_unit_of_cut(pool, units, devices.lock, out, "lock", "locked", out.devices, held, after="locked")
+                _every_unit_of_cut(pool, units, devices.checkpoint, out, "device_checkpoint", "checkpointed", {}, held, after="checkpointed")
             t0 = time.monotonic()
             for u in units:
                 t = time.monotonic()
@@ -117,7 +159,7 @@ def checkpoint_units(cut: Cut, units: Sequence[UnitOnHost], *, resume: bool = Tr
                 stopped.append(u)
                 out.phases.setdefault(u.unit, {})["quiesce"] = time.monotonic() - t
             out.barriers["quiesced"] = time.monotonic() - t0
-            _every(pool, units, cut.dump, out, "dump", "dumped", out.dumped, {})
+            _every_unit_of_cut(pool, units, cut.dump, out, "dump", "dumped", out.dumped, {})
         except ColdsnapError as err:
             failure = err
         finally:
@@ -149,8 +191,8 @@ def checkpoint_units(cut: Cut, units: Sequence[UnitOnHost], *, resume: bool = Tr
     return out
 
 
-def _every(
-    pool: ThreadPoolExecutor, units: Sequence[UnitOnHost], step: Callable[[UnitOnHost], Any], out: CoordinatedCheckpoint, phase: str, barrier: str,
+def _every_unit_of_cut(
+    pool: ContextPool, units: Sequence[UnitOnHost], step: Callable[[UnitOnHost], Any], out: CoordinatedCheckpoint, phase: str, barrier: str,
     results: dict[str, Any], held: dict[str, str], *, after: str | None = None,
 ) -> None:  # fmt: skip
     """*step* on every unit at once, what each returned put in *results* by unit; every unit's
@@ -174,7 +216,7 @@ def _every(
         raise CaptureError(str(errors[0])) from errors[0]
 
 
-def _put_back(pool: ThreadPoolExecutor, devices: DeviceSteps, units: Sequence[UnitOnHost], held: dict[str, str]) -> list[str]:
+def _put_back(pool: ContextPool, devices: DeviceSteps, units: Sequence[UnitOnHost], held: dict[str, str]) -> list[str]:
     """Every unit's devices back to running, all hosts at once; the problems, naming each unit."""
     futures = {u.unit: pool.submit(devices.put_back, u, held[u.unit]) for u in units}
     problems = []
@@ -190,3 +232,89 @@ def _timed(step: Callable[[UnitOnHost], Any], u: UnitOnHost) -> tuple[Any, float
     t = time.monotonic()
     recorded = step(u)
     return recorded, time.monotonic() - t
+
+
+class RestoreSteps(Protocol):
+    """How one restore reaches the units' hosts."""
+
+    def lock_network(self, u: LaunchUnit) -> None:
+        """Hold back the packets arriving for the unit's connections to other hosts."""
+        ...
+
+    def unlock_network(self, u: LaunchUnit) -> None:
+        """Let them through again."""
+        ...
+
+    def restore(self, u: LaunchUnit) -> int:
+        """Restore the unit's tree on its host, stopped at the cut; its root's PID."""
+        ...
+
+    def adopt(self, u: LaunchUnit, root: int) -> None:
+        """Record the restored tree as the unit's rank (the manager's records)."""
+        ...
+
+    def resume(self, u: LaunchUnit, root: int) -> None:
+        """Continue the unit's process group."""
+        ...
+
+    def restore_devices(self, u: LaunchUnit) -> None:
+        """Give the unit's device users their devices back, left locked."""
+        ...
+
+    def unlock_devices(self, u: LaunchUnit) -> None: ...
+
+
+@dataclass
+class CoordinatedRestore:
+    """Per unit, the seconds of each phase; per barrier, the seconds the coordinator waited."""
+
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
+    barriers: dict[str, float] = field(default_factory=dict)
+
+
+def restore_units(steps: RestoreSteps, units: Sequence[LaunchUnit], roots: dict[str, int], *, devices: bool) -> CoordinatedRestore:
+    """Restore, adopt, continue every unit, then give every unit its devices back and unlock
+    them all (see the module docstring); *roots* gets each unit's restored root by name."""
+    out = CoordinatedRestore()
+    with ContextPool(max_workers=max(1, len(units))) as pool:
+
+        def restored(u: LaunchUnit) -> None:
+            roots[u.name] = steps.restore(u)
+
+        try:
+            _every_unit_restored(pool, units, steps.lock_network, out, "network_lock", "network_held")
+            _every_unit_restored(pool, units, restored, out, "restore", "restored")
+        except BaseException:
+            # Lifted on every host even when a unit did not come back (the hosts serve other
+            # connections too); the failure to tell is the first one.
+            with contextlib.suppress(ColdsnapError):
+                _every_unit_restored(pool, units, steps.unlock_network, out, "network_unlock", "network_open")
+            raise
+        _every_unit_restored(pool, units, steps.unlock_network, out, "network_unlock", "network_open")
+        _every_unit_restored(pool, units, lambda u: steps.adopt(u, roots[u.name]), out, "adopt", "adopted")
+        _every_unit_restored(pool, units, lambda u: steps.resume(u, roots[u.name]), out, "continue", "continued")
+        if devices:
+            _every_unit_restored(pool, units, steps.restore_devices, out, "device_restore", "devices_restored")
+            _every_unit_restored(pool, units, steps.unlock_devices, out, "unlock", "unlocked")
+    return out
+
+
+def _every_unit_restored(pool: ContextPool, units: Sequence[LaunchUnit], step: Callable[[LaunchUnit], Any], out: CoordinatedRestore, phase: str, barrier: str) -> None:
+    """*step* on every unit at once; every unit's outcome waited for, then the first failure raised."""
+    t = time.monotonic()
+    futures = {u.name: pool.submit(_timed_step, step, u) for u in units}
+    errors: list[ColdsnapError] = []
+    for u in units:
+        try:
+            out.phases.setdefault(u.name, {})[phase] = futures[u.name].result()
+        except ColdsnapError as err:
+            errors.append(err)
+    out.barriers[barrier] = time.monotonic() - t
+    if errors:
+        raise errors[0]
+
+
+def _timed_step(step: Callable[[LaunchUnit], Any], u: LaunchUnit) -> float:
+    t = time.monotonic()
+    step(u)
+    return time.monotonic() - t
