@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sparkrun_coldsnap import controller  # noqa: E402
+from sparkrun_coldsnap import api  # noqa: E402
 from sparkrun_coldsnap.bench import ensure_capsule  # noqa: E402
 from sparkrun_coldsnap.cli.common import open_store, parse_overrides  # noqa: E402
 from sparkrun_coldsnap.host import paths  # noqa: E402
@@ -207,10 +207,10 @@ def main() -> None:
     req = placement.restore_request(actx)
     if not ensure_capsule(store, req.capsule.ref):
         progress.step("no capsule %s yet: capturing it first" % req.capsule.ref)
-        controller.capture(placement.capture_request(actx), store=store, progress=progress)
+        api.capture(placement.capture_request(actx), store=store, progress=progress)
 
     drop_page_cache()
-    prepared = controller.prepare_restore(req, store=store, progress=progress)
+    prepared = api.prepare_restore(req, store=store, progress=progress)
     global LAZY_IMAGES
     LAZY_IMAGES = str(getattr(getattr(prepared.staged, "container", None), "images", "") or "")
     root = Path(docker_unit.info()["root_dir"])
@@ -223,7 +223,7 @@ def main() -> None:
     watcher.start()
     outcome = None
     try:
-        outcome = controller.activate_restore(prepared, log_path=paths.run_dir() / "logs" / "profile-restore.log", progress=progress)
+        outcome = api.activate_restore(prepared, log_path=paths.run_dir() / "logs" / "profile-restore.log", progress=progress)
     finally:
         watcher.stop()
         if perf is not None:

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from sparkrun_coldsnap import bench, controller  # noqa: E402
+from sparkrun_coldsnap import api, bench  # noqa: E402
 from sparkrun_coldsnap.capsule.store import CapsuleStore  # noqa: E402
 from sparkrun_coldsnap.documents import request as rq  # noqa: E402
 from sparkrun_coldsnap.documents import settings  # noqa: E402
@@ -179,7 +179,7 @@ def cmd_capture(args) -> None:
         cap, _ = requests_for(args, driver)
         bench.drop_page_cache()
         try:
-            out = controller.capture(cap, store=store, progress=progress)
+            out = api.capture(cap, store=store, progress=progress)
             receipt = out.receipt
         except ColdsnapError as err:
             receipt = err.receipt
@@ -289,8 +289,8 @@ def cmd_other_gpu(args) -> None:
     for label, (res, _) in restores.items():
         run = {"path": label, "capsule": capsules[label]}
         try:
-            prepared = controller.prepare_restore(res, store=store, progress=Progress())
-            out = controller.activate_restore(prepared, log_path=log_dir / ("other-gpu-%s.log" % label.replace(" ", "-")), progress=Progress())
+            prepared = api.prepare_restore(res, store=store, progress=Progress())
+            out = api.activate_restore(prepared, log_path=log_dir / ("other-gpu-%s.log" % label.replace(" ", "-")), progress=Progress())
             run.update(ttft_seconds=out.ttft_seconds, validated=bool(out.receipt.validation and out.receipt.validation.passed), gpus_after=nvidia.gpus_of(tree_pids(out.root_pid)))
             run["phases"] = {p.name: p.seconds for p in out.receipt.phases}
             run["weights"] = out.receipt.weights.model_dump(mode="json") if out.receipt.weights else None
