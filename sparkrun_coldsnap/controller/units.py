@@ -32,7 +32,6 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 from sparkrun_coldsnap import extensions
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
@@ -65,7 +64,7 @@ def ordered(w: Workload) -> list[LaunchUnit]:
     return sorted(w.topology.units, key=lambda u: u.rank)
 
 
-def _parallel(units: Sequence[LaunchUnit], step: Callable[[LaunchUnit], Any]) -> dict[str, Any]:
+def _parallel[T](units: Sequence[LaunchUnit], step: Callable[[LaunchUnit], T]) -> dict[str, T]:
     """*step* of every unit at once; every unit's outcome waited for, then the first failure raised."""
     with ThreadPoolExecutor(max_workers=max(1, len(units))) as pool:
         futures = {u.name: pool.submit(step, u) for u in units}
@@ -263,7 +262,7 @@ def _capture_facts(req: CaptureRequest, r: Resolved, hosts: UnitHosts, units: li
     refused = ["host %s (unit %s): %s" % (u.host, u.name, answers[u.name].reason) for u in units if not answers[u.name].supported]
     if refused:
         raise CaptureError("snapshot driver %s cannot capture on %s" % (r.driver.name, "; ".join(refused)))
-    head: Fingerprint = answers[units[0].name].fingerprint
+    head = answers[units[0].name].fingerprint
     differ = []
     for u in units[1:]:
         mismatches = compare(head, answers[u.name].fingerprint)
