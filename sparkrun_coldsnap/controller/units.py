@@ -204,7 +204,7 @@ def _capture_facts(req: CaptureRequest, r: Resolved, hosts: UnitHosts, units: li
     refused = ["host %s (unit %s): %s" % (u.host, u.name, answers[u.name].reason) for u in units if not answers[u.name].supported]
     if refused:
         raise CaptureError("snapshot driver %s cannot capture on %s" % (r.driver.name, "; ".join(refused)))
-    head: Fingerprint = answers[units[0].name].fingerprint
+    head = answers[units[0].name].fingerprint
     differ = []
     for u in units[1:]:
         mismatches = compare(head, answers[u.name].fingerprint)
