@@ -104,6 +104,16 @@ def test_the_controller_imports_no_concrete_driver_or_launch_unit():
             assert not deps & concrete, "%s imports %s" % (name, sorted(deps & concrete))
 
 
+def test_drivers_and_their_tools_import_no_launcher():
+    """Launchers drive the driver's steps (a container runtime's checkpoint between its device
+    steps), never the other way round."""
+    below = tuple("%s.%s" % (NAME, folder) for folder in ("drivers", "criu", "cuda"))
+    for name, deps in graph().items():
+        if name.startswith(below):
+            launchers = sorted(d for d in deps if d.startswith(NAME + ".launch"))
+            assert launchers == [], "%s imports %s" % (name, launchers)
+
+
 def test_the_environment_is_read_only_by_the_settings_module():
     allowed = {"%s.documents.settings" % NAME, "%s.launch.engine_env" % NAME}
     allowed |= {"%s.%s" % (NAME, m) for m in ENGINE_SIDE}
