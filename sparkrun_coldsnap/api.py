@@ -32,7 +32,7 @@ from sparkrun_coldsnap.capsule.capsule import Capsule
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.controller import units as controller_units
 from sparkrun_coldsnap.controller import units_restore
-from sparkrun_coldsnap.controller.capture import CaptureOutcome
+from sparkrun_coldsnap.controller.capture import CaptureOutcome, LiveWorkload
 from sparkrun_coldsnap.controller.common import Attempt, Resolved, ServingOutcome, finish
 from sparkrun_coldsnap.controller.cut import UnitOnHost
 from sparkrun_coldsnap.controller.restore import PreparedRestore, open_and_admit, unpack_capsule, unpacked_size
@@ -50,6 +50,7 @@ from sparkrun_coldsnap.progress import QUIET, Progress
 from sparkrun_coldsnap.weights.weight_paths import WeightChoice
 
 __all__ = [
+    "LiveWorkload",
     # operations
     "activate", "activate_restore", "activate_units", "admission", "capture", "capture_units", "load_request", "prepare", "prepare_restore",
     "prepare_units", "recapture_request", "refuse_topology", "restore", "start_units", "start_vanilla", "verify", "when_missing",
@@ -98,9 +99,13 @@ def _store(store: CapsuleStore | str | Path | None) -> CapsuleStore:
 # -- capture ---------------------------------------------------------------------------------
 
 
-def capture(request: CaptureRequest, *, store: CapsuleStore | str | Path | None = None, settings: Settings | None = None, progress: Progress = QUIET) -> CaptureOutcome:
-    """Start the request's engine, validate it, capture it into a capsule of *store*."""
-    return controller.capture(request, store=_store(store), settings=settings, progress=progress)
+def capture(
+    request: CaptureRequest, *, store: CapsuleStore | str | Path | None = None, settings: Settings | None = None, progress: Progress = QUIET,
+    live: LiveWorkload | None = None,
+) -> CaptureOutcome:  # fmt: skip
+    """Start the request's engine, validate it, capture it into a capsule of *store*; with *live*,
+    capture that serving workload instead of starting one (a hibernate: a failure leaves it serving)."""
+    return controller.capture(request, store=_store(store), settings=settings, progress=progress, live=live)
 
 
 def capture_units(

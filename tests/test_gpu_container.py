@@ -163,3 +163,18 @@ def test_namespace_pids_are_read_from_proc(tmp_path):
     (tmp_path / "4102").mkdir()
     (tmp_path / "4102" / "status").write_text("Name:\tpython\nNSpid:\t4102\t24\n")
     assert gc.ns_pid(4102, proc=tmp_path) == 24
+
+
+def test_a_driver_that_does_not_run_in_containers_is_refused_before_docker_is_asked(tmp_path):
+    from sparkrun_coldsnap.drivers.base import UnitImage
+    from sparkrun_coldsnap.drivers.n580 import N580Driver
+    from sparkrun_coldsnap.launch.containers import Containers
+    from sparkrun_coldsnap.launch.docker import ContainerSpec
+
+    driver = N580Driver()
+    assert not driver.in_containers
+    with pytest.raises(CaptureError, match="snapshot driver n580 does not capture containers; use executor: local, or the cpu driver"):
+        Containers().checkpoint(driver, object(), tmp_path / "images", unit_def=object(), progress=print)
+    image = UnitImage(name="solo", host="localhost", driver="n580", root_pid=1, pids=(1,), pid_namespace=True)
+    with pytest.raises(RestoreError, match="snapshot driver n580 does not restore containers"):
+        Containers()._prepare(driver, image, tmp_path / "images", ContainerSpec("sha256:x", "serve", {}, {}), "coldsnap-restore-x")

@@ -97,11 +97,21 @@ def test_no_import_cycles():
 
 def test_the_controller_imports_no_concrete_driver_or_launch_unit():
     g = graph()
-    concrete = {"%s.drivers.%s" % (NAME, m) for m in ("cpu", "n580", "n610", "criu_tool", "criu_tree", "cuda_checkpoint")}
+    concrete = {"%s.%s" % (NAME, m) for m in ("drivers.cpu", "drivers.n580", "drivers.n610", "drivers.criu_tool", "drivers.criu_tree", "drivers.cuda_checkpoint")}
     concrete |= {"%s.launch.%s" % (NAME, m) for m in ("local", "docker")}
     for name, deps in g.items():
         if name.startswith(NAME + ".controller"):
             assert not deps & concrete, "%s imports %s" % (name, sorted(deps & concrete))
+
+
+def test_drivers_and_their_tools_import_no_launcher():
+    """Launchers drive the driver's steps (a container runtime's checkpoint between its device
+    steps), never the other way round."""
+    below = tuple("%s.%s" % (NAME, folder) for folder in ("drivers", "criu", "cuda"))
+    for name, deps in graph().items():
+        if name.startswith(below):
+            launchers = sorted(d for d in deps if d.startswith(NAME + ".launch"))
+            assert launchers == [], "%s imports %s" % (name, launchers)
 
 
 def test_the_environment_is_read_only_by_the_settings_module():
@@ -123,9 +133,6 @@ CONTROLLER_DOORS = {
     # The per-host end of a step between hosts resolves the workload's driver and launcher where
     # it runs; it is a server under the controller's remote unit, not a caller of the controller.
     "%s.integration.unit_agent" % NAME: "the per-host end of the multi-unit steps",
-    # Hibernate tells the capture story against a live workload from inside the capture's own
-    # steps; it becomes the controller's capture of a live unit, then api is its door too.
-    "%s.lifecycle.hibernate" % NAME: "the capture of a live workload, written beside the controller's capture",
 }
 
 
@@ -147,3 +154,43 @@ def test_only_the_api_imports_the_controller():
     strays = {name: hits for name, hits in importers.items() if name not in CONTROLLER_DOORS}
     assert strays == {}, "import sparkrun_coldsnap.api instead of the controller: %s" % strays
     assert "%s.api" % NAME in importers  # the check sees the door it allows
+
+
+def private_uses(name: str, tree: ast.Module, known: set[str]) -> set[tuple[str, str, int]]:
+    """Where *name* reaches another package module's private name, as (module, the name it
+    reaches, line): ``from mod import _x``, or ``mod._x`` on a module it imported (its own
+    privates, and dunders, are its own business)."""
+    aliases: dict[str, str] = {}  # local name -> the package module it stands for
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases.update((a.asname, a.name) for a in node.names if a.name in known and a.asname)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith(NAME):
+            for a in node.names:
+                sub = "%s.%s" % (node.module, a.name)
+                if sub in known:
+                    aliases[a.asname or a.name] = sub
+                elif _private(a.name) and node.module != name:
+                    out.add((name, sub, node.lineno))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            target = aliases[node.value.id]
+            if _private(node.attr) and target != name:
+                out.add((name, "%s.%s" % (target, node.attr), node.lineno))
+    return out
+
+
+def _private(attr: str) -> bool:
+    return attr.startswith("_") and not attr.startswith("__")
+
+
+#: Private names two modules of one story still share; each goes when its story is told in one
+#: place (the set only shrinks).
+PRIVATE_USES_LEFT: set[tuple[str, str]] = set()
+
+
+def test_no_module_uses_another_modules_private_name():
+    mods = modules()
+    known = set(mods)
+    found = {use for name, tree in mods.items() for use in private_uses(name, tree, known)}
+    assert sorted(u for u in found if u[:2] not in PRIVATE_USES_LEFT) == []

@@ -102,6 +102,9 @@ class SnapshotDriver(ABC):
     #: to host memory and back (n610: the CUDA checkpoint API). A cut across hosts then locks
     #: every unit's devices, checkpoints them all, and only then dumps any unit.
     device_state: ClassVar[bool] = False
+    #: a unit in a Docker container can be captured and restored with this driver: the
+    #: container launcher runs the runtime's checkpoint between the driver's device steps.
+    in_containers: ClassVar[bool] = False
 
     @property
     def checkpoints_serving(self) -> bool:
@@ -241,25 +244,19 @@ class SnapshotDriver(ABC):
     def unlock_devices(self, data: dict[str, Any]) -> None:
         """Let *data*'s processes use their devices again (after every unit's restore)."""
 
-    # -- container launch units (the engine in a Docker container) ------------
+    # -- what a launcher that dumps the tree with its own tool asks (a container runtime's CRIU;
+    # launch/containers.py) -------------------------------------------------------------------
 
-    def checkpoint_container(self, unit: Any, images: Path, *, unit_name: str, host: str, spec: Any, progress: Progress) -> UnitImage:
-        """Capture a container started by the plugin into *images*; the container stops."""
-        from sparkrun_coldsnap.errors import CaptureError
+    def device_api(self) -> Any:
+        """A handle on the device checkpoint API, for the device steps a launcher runs around
+        its own dump (n610: a CUDA helper process, which the caller closes); None without
+        ``device_state``."""
+        return None
 
-        raise CaptureError("snapshot driver %s does not capture containers; use executor: local, or the cpu driver" % self.name)
-
-    def prepare_container(self, unit: UnitImage, images: Path, spec: Any, temp_name: str) -> Any:
-        """Create the container a restore will start, loaded with *images* (before eviction)."""
-        from sparkrun_coldsnap.errors import RestoreError
-
-        raise RestoreError("snapshot driver %s does not restore containers" % self.name)
-
-    def start_container(self, prepared: Any, name: str, progress: Progress) -> Any:
-        """Start a prepared container from its checkpoint under sparkrun's *name*."""
-        from sparkrun_coldsnap.errors import RestoreError
-
-        raise RestoreError("snapshot driver %s does not restore containers" % self.name)
+    def memory_on_demand(self) -> bool | None:
+        """Whether a restore brings memory back on demand (CRIU's lazy pages) where the host
+        can: True or False as this driver wants it, None whenever the host can."""
+        return None
 
     def capabilities(self, host: HostFacts) -> dict[str, Any]:
         s = self.support(host)

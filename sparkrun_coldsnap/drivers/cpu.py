@@ -27,7 +27,6 @@ from sparkrun_coldsnap.drivers.criu_tool import Criu
 from sparkrun_coldsnap.errors import ToolError
 from sparkrun_coldsnap.hookspecs import hookimpl
 from sparkrun_coldsnap.host.facts import HostFacts
-from sparkrun_coldsnap.host.process_tree import tree_pids
 
 
 class CpuDriver(CriuDriver):
@@ -37,6 +36,7 @@ class CpuDriver(CriuDriver):
     weights_in_image = True
     own_namespaces = True
     across_hosts = True
+    in_containers = True
 
     def support(self, host: HostFacts) -> Support:
         if platform.system() != "Linux":
@@ -79,39 +79,6 @@ class CpuDriver(CriuDriver):
         measured: dict[str, Any] = {}
         root, _keeper, handed = criu_isolated.restore(Criu.locate(), unit, images, log_path=log_path, progress=progress, host_port=port, owned_dir=owned_dir, details=measured)
         return RestoredUnit(root, images_handed_over=handed, details=measured)
-
-    def checkpoint_container(self, unit: Any, images: Path, *, unit_name: str, host: str, spec: Any, progress: Progress) -> UnitImage:
-        from sparkrun_coldsnap.documents.request import redact_env
-        from sparkrun_coldsnap.launch import docker as docker_unit
-
-        root = unit.root_pid
-        pids = tuple(tree_pids(root))
-        progress("docker checkpoint of %d processes" % len(pids))
-        docker_unit.checkpoint(unit, images)
-        size = sum(f.stat().st_size for f in images.rglob("*") if f.is_file())
-        recorded = dict(spec.to_json(), env=redact_env(dict(spec.env)))
-        return UnitImage(
-            name=unit_name,
-            host=host,
-            driver=self.name,
-            root_pid=root,
-            pids=pids,
-            pid_namespace=True,
-            image_bytes=size,
-            criu_version=Criu.locate().version,
-            driver_data={"container": recorded, "runtime": docker_unit.runtime_summary()},
-        )
-
-    def prepare_container(self, unit: UnitImage, images: Path, spec: Any, temp_name: str) -> Any:
-        from sparkrun_coldsnap.launch import container_restore
-
-        return container_restore.prepare_restore(spec, images, temp_name)
-
-    def start_container(self, prepared: Any, name: str, progress: Progress) -> Any:
-        from sparkrun_coldsnap.launch import container_restore
-
-        progress("docker start --checkpoint")
-        return container_restore.start_from_checkpoint(prepared, name)
 
 
 @hookimpl

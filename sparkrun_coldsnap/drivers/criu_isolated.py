@@ -73,7 +73,7 @@ def restore(
     # The keeper adds ``restore -D``: it reaches the images through a descriptor.
     args = ["-d", "-o", RESTORE_LOG, "--pidfile", str(pidfile), *BASE_FLAGS]
     args += list(TCP_FLAGS if unit.tcp_established else ())
-    daemon = criu_tree._start_lazy_daemon(criu, images, owned_dir) if lazy else None
+    daemon = criu_tree.start_lazy_daemon(criu, images, owned_dir) if lazy else None
     if daemon is not None:
         args.append("--lazy-pages")
     args.append("--leave-stopped")  # every path: no process runs before it has its AMX permission back
@@ -111,7 +111,7 @@ def restore(
     if "root_pid" not in said:
         keeper.wait()
         if daemon is not None:
-            criu_tree._stop_daemon(daemon)
+            criu_tree.stop_lazy_daemon(daemon)
         words = said["error"].split()
         if len(words) == 2 and words[0] == "criu" and words[1].lstrip("-").isdigit():
             ended = "criu restore of unit %s in its own namespaces %s" % (unit.name, how_it_ended(int(words[1])))

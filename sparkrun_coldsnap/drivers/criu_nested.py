@@ -65,31 +65,31 @@ def dump(criu: Criu, root_pid: int, init_pid: int, images: Path, *, unit: str, h
     shared = _shared_files(root_pid, view)
     tcp = tree_inspect.established_inside(root_pid)
     listening = tree_inspect.listening_ports(root_pid)
-    resource = criu_tree._output_resource(root_pid)
-    dirs = {Path(view + str(d)) for d in criu_tree._remap_dirs(shared)}
-    before = criu_tree._listing(dirs)
+    resource = criu_tree.output_resource(root_pid)
+    dirs = {Path(view + str(d)) for d in criu_tree.remap_dirs(shared)}
+    before = criu_tree.listing(dirs)
     # The images are reached through a descriptor: a path under the host's /dev/shm would name the namespace's.
     fd = os.open(images, os.O_RDONLY | os.O_DIRECTORY)
     try:
         args = ["dump", "-t", str(pids[0]), "-D", "/proc/self/fd/%d" % fd, "-o", criu_tree.DUMP_LOG, "--leave-stopped", *criu_tree.BASE_FLAGS]
         args += list(criu_tree.TCP_FLAGS if tcp else ())
         progress("criu dump of %d processes inside their namespaces" % len(pids))
-        before_dump = criu_tree._stopped(host_pids)
+        before_dump = criu_tree.stopped_pids(host_pids)
         nsenter = ["nsenter", "--target", str(init_pid), "--pid", "--mount", "--net", "--"]
         done = run([*nsenter, *criu.argv, *args], timeout=1800, check=False, pass_fds=(fd,), what="criu dump (in the tree's namespaces)")
     finally:
         os.close(fd)
     if done.returncode != 0:
-        for leftover in criu_tree._listing(dirs) - before:
+        for leftover in criu_tree.listing(dirs) - before:
             leftover.unlink(missing_ok=True)
         state = criu_tree.resume_after_failed_dump(host_pids, already_stopped=before_dump)
         raise criu_tree.CheckpointFailed(
             "criu dump of pid %d (in its own namespaces) %s: %s; %s" % (root_pid, how_it_ended(done.returncode), log_tail(images / criu_tree.DUMP_LOG), state.describe()),
             tree_running=state.running,
         )
-    remaps = sorted(criu_tree._listing(dirs) - before)
+    remaps = sorted(criu_tree.listing(dirs) - before)
     try:
-        saved = criu_tree._save_shared(images, [Path(view + p) for p in shared] + remaps, owner_gone=True, view=view)
+        saved = criu_tree.save_shared(images, [Path(view + p) for p in shared] + remaps, owner_gone=True, view=view)
     finally:
         kill_tree(root_pid, grace=0.0)  # stopped by CRIU: nothing to shut down gracefully
     return criu_tree.unit_image(criu, images, unit=unit, host=host, driver=driver, pids=pids, resource=resource, saved=saved, tcp=tcp, listening=listening)

@@ -56,7 +56,7 @@ DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
 
 
-def _output_resource(root_pid: int) -> str | None:
+def output_resource(root_pid: int) -> str | None:
     """The regular file the root writes its stdout to, in CRIU's spelling (no leading '/')."""
     for fd, target in fd_targets(root_pid):
         if fd == 1 and target.startswith("/") and os.path.isfile(target):
@@ -64,11 +64,14 @@ def _output_resource(root_pid: int) -> str | None:
     return None
 
 
-def _remap_dirs(paths: list[str]) -> set[Path]:
+def remap_dirs(paths: list[str]) -> set[Path]:
+    """Where CRIU's link remaps of deleted files (``--link-remap``) can appear during a dump of a
+    tree using the shared-memory files *paths*: /dev/shm and their folders."""
     return {Path("/dev/shm")} | {Path(p).parent for p in paths}
 
 
-def _listing(dirs: set[Path]) -> set[Path]:
+def listing(dirs: set[Path]) -> set[Path]:
+    """The entries of *dirs* now (compared before and after a dump: what CRIU left)."""
     out: set[Path] = set()
     for d in dirs:
         try:
@@ -98,24 +101,24 @@ def dump(
     tcp = tree_inspect.established_inside(root_pid)
     to_peers = peer_lock.to_other_hosts(connections.held_connections(pids)) if peers and tcp else []
     listening = tree_inspect.listening_ports(root_pid)
-    resource = _output_resource(root_pid)
-    dirs = _remap_dirs(shared)
-    before = _listing(dirs)
+    resource = output_resource(root_pid)
+    dirs = remap_dirs(shared)
+    before = listing(dirs)
     args = ["dump", "-t", str(root_pid), "-D", str(images), "-o", DUMP_LOG, *BASE_FLAGS, *((PEER_TCP_FLAGS if peers else TCP_FLAGS) if tcp else ())]
     if leave_running:
         args.append("--leave-running")
     progress("criu dump of %d processes" % len(pids))
-    before_dump = _stopped(pids)
+    before_dump = stopped_pids(pids)
     done = criu.run(args, timeout=1800, what="criu dump")
     if done.returncode != 0:
         # A CRIU that did not finish (killed) leaves the link-remap files it made: they would
         # make the next dump of the same tree fail ("File exists").
-        for leftover in _listing(dirs) - before:
+        for leftover in listing(dirs) - before:
             leftover.unlink(missing_ok=True)
         state = resume_after_failed_dump(pids, already_stopped=before_dump)
         raise CheckpointFailed("criu dump of pid %d %s: %s; %s" % (root_pid, how_it_ended(done.returncode), log_tail(images / DUMP_LOG), state.describe()), tree_running=state.running)
-    remaps = sorted(_listing(dirs) - before)
-    saved = _save_shared(images, [Path(p) for p in shared] + remaps, owner_gone=not leave_running)
+    remaps = sorted(listing(dirs) - before)
+    saved = save_shared(images, [Path(p) for p in shared] + remaps, owner_gone=not leave_running)
     image = unit_image(criu, images, unit=unit, host=host, driver=driver, pids=pids, resource=resource, saved=saved, tcp=tcp, listening=listening)
     if not (peers and tcp):
         return image
@@ -171,7 +174,8 @@ class TreeState:
         return "the process tree is still running%s" % (" (%d resumed from a stop)" % self.resumed if self.resumed else "")
 
 
-def _stopped(pids: tuple[int, ...]) -> set[int]:
+def stopped_pids(pids: tuple[int, ...]) -> set[int]:
+    """Which of *pids* are stopped already (a failed dump resumes only the ones it stopped)."""
     out = set()
     for pid in pids:
         try:
@@ -208,7 +212,7 @@ def resume_after_failed_dump(pids: tuple[int, ...], *, already_stopped: set[int]
     return TreeState(alive=alive, total=len(pids), resumed=resumed)
 
 
-def _save_shared(images: Path, files: list[Path], *, owner_gone: bool, view: str = "") -> list[SharedFile]:
+def save_shared(images: Path, files: list[Path], *, owner_gone: bool, view: str = "") -> list[SharedFile]:
     """Copy shared-memory files into the images; remove them when their tree is gone.
 
     *view*: the prefix the files were read through (``/proc/<pid>/root`` for a tree in a mount
@@ -323,7 +327,7 @@ def _uffd(argv: tuple[str, ...]) -> bool:
     return run([*argv, "check", "--feature", "uffd-noncoop"], timeout=60, check=False).returncode == 0
 
 
-def _start_lazy_daemon(criu: Criu, images: Path, owned_dir: Path | None) -> subprocess.Popen:
+def start_lazy_daemon(criu: Criu, images: Path, owned_dir: Path | None) -> subprocess.Popen:
     """``criu lazy-pages`` serving *images*, then removing *owned_dir* once every page is delivered.
 
     It outlives this process (its own session): the restored tree depends on it
@@ -342,13 +346,14 @@ def _start_lazy_daemon(criu: Criu, images: Path, owned_dir: Path | None) -> subp
     deadline = time.monotonic() + 10
     while not socket_path.exists():
         if daemon.poll() is not None or time.monotonic() > deadline:
-            _stop_daemon(daemon)
+            stop_lazy_daemon(daemon)
             raise RestoreError("criu lazy-pages did not start: %s" % log_tail(log_path))
         time.sleep(0.005)
     return daemon
 
 
-def _stop_daemon(daemon: subprocess.Popen) -> None:
+def stop_lazy_daemon(daemon: subprocess.Popen) -> None:
+    """Kill a lazy-pages daemon that will serve no restore, with its session."""
     try:
         os.killpg(daemon.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -390,7 +395,7 @@ def restore(
         args = ["restore", "-d", "-D", str(images), "-o", RESTORE_LOG, "--pidfile", str(pidfile), *BASE_FLAGS]
         args += list(tcp_flags(unit)) + inherit + list(extra_args)
         if lazy:
-            daemon = _start_lazy_daemon(criu, images, owned_dir)
+            daemon = start_lazy_daemon(criu, images, owned_dir)
             args.append("--lazy-pages")
         # Stopped on every path, with memory on demand too: no process may run before it has
         # asked again for its AMX permission (a tile instruction without it is SIGILL).
@@ -407,7 +412,7 @@ def restore(
         os.close(log_fd)
     if done.returncode != 0:
         if daemon is not None:
-            _stop_daemon(daemon)
+            stop_lazy_daemon(daemon)
         for p in placed:
             p.unlink(missing_ok=True)
         _stop_partly_restored(unit.pids, before=occupied)

@@ -46,6 +46,7 @@ class N610Driver(CriuDriver):
     needs_release = True
     across_hosts = True
     device_state = True
+    in_containers = True
 
     def support(self, host: HostFacts) -> Support:
         problem = nvidia.checkpoint_api_problem(host)
@@ -169,53 +170,13 @@ class N610Driver(CriuDriver):
         with _helper() as api:
             cuda_units.unlock(api, data)
 
-    # -- the engine in a Docker container (launch/gpu_container.py says how) --------
+    # -- the engine in a Docker container (launch/gpu_container.py runs these around docker's checkpoint)
 
-    def checkpoint_container(self, unit: Any, images: Path, *, unit_name: str, host: str, spec: Any, progress: Progress) -> UnitImage:
-        from sparkrun_coldsnap.documents.request import redact_env
-        from sparkrun_coldsnap.launch import docker as docker_unit
-        from sparkrun_coldsnap.launch import gpu_container
+    def device_api(self) -> cuda_checkpoint.HelperProcess:
+        return cuda_checkpoint.HelperProcess()
 
-        pids = tuple(tree_pids(unit.root_pid))
-        cuda = cuda_checkpoint.cuda_processes(pids)
-        api = cuda_checkpoint.HelperProcess()
-        try:
-            every = api.uuids()
-            uuids = cuda_checkpoint.workload_gpus(every, nvidia.gpus_of(pids))
-            progress("CUDA checkpoint of %d processes, then docker checkpoint" % len(cuda))
-            data = gpu_container.checkpoint(api, gpu_container.DockerRuntime(), unit, images, cuda_pids=cuda)
-        finally:
-            api.close()
-        size = sum(f.stat().st_size for f in images.rglob("*") if f.is_file())
-        recorded = dict(spec.to_json(), env=redact_env(dict(spec.env)))
-        data.update(container=recorded, runtime=docker_unit.runtime_summary(), gpu_uuids=uuids, host_gpu_uuids=every, driver_version=api.driver_version)
-        return UnitImage(
-            name=unit_name, host=host, driver=self.name, root_pid=unit.root_pid, pids=pids, pid_namespace=True, image_bytes=size,
-            criu_version=Criu.locate().version, driver_data=data,
-        )  # fmt: skip
-
-    def prepare_container(self, unit: UnitImage, images: Path, spec: Any, temp_name: str) -> Any:
-        from sparkrun_coldsnap.launch import container_restore, gpu_container
-
-        container = container_restore.prepare_restore(spec, images, temp_name, lazy=_lazy_wanted())
-        try:
-            api = self.warm_up(unit)
-        except BaseException:
-            container.remove()
-            raise
-        used = unit.driver_data.get("gpu_uuids", ())
-        return gpu_container.PreparedGpuContainer(container, api, unit.driver_data.get("cuda_ns_pids", ()), used, unit.driver_data.get("host_gpu_uuids", used))
-
-    def start_container(self, prepared: Any, name: str, progress: Progress) -> Any:
-        from sparkrun_coldsnap.launch import gpu_container
-
-        try:
-            here = prepared.api.uuids()
-            pairs = cuda_checkpoint.gpu_pairs(prepared.used, prepared.captured_all, here, cuda_checkpoint.visible_uuids(settings.current().cuda_visible_devices, here))
-            progress("docker start --checkpoint, then CUDA restore of %d processes" % len(prepared.cuda_ns_pids))
-            return gpu_container.restore(prepared.api, gpu_container.DockerRuntime(), prepared.unit, name, cuda_ns_pids=prepared.cuda_ns_pids, pairs=pairs)
-        finally:
-            prepared.api.close()
+    def memory_on_demand(self) -> bool | None:
+        return _lazy_wanted()
 
     def capabilities(self, host: HostFacts) -> dict[str, Any]:
         out = super().capabilities(host)

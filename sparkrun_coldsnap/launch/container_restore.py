@@ -91,7 +91,7 @@ def prepare_restore(spec: d.ContainerSpec, images: Path, temp_name: str, *, lazy
             # fills each page when it is first touched, then removes the images once every
             # page is delivered. It only listens until the restore connects: started here,
             # off the clock.
-            unit.lazy_daemon = criu_tree._start_lazy_daemon(Criu.locate(), unit.images, unit.images)
+            unit.lazy_daemon = criu_tree.start_lazy_daemon(Criu.locate(), unit.images, unit.images)
     except BaseException:
         unit.remove()
         raise

@@ -8,15 +8,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sparkrun_coldsnap.errors import CaptureError
+from sparkrun_coldsnap.documents.request import redact_env
+from sparkrun_coldsnap.drivers.base import UnitImage
+from sparkrun_coldsnap.errors import CaptureError, RestoreError
 from sparkrun_coldsnap.host import paths
-from sparkrun_coldsnap.launch import checkpoint_leftovers, docker
+from sparkrun_coldsnap.host.process_tree import tree_pids
+from sparkrun_coldsnap.launch import checkpoint_leftovers, container_restore, docker, gpu_container
 from sparkrun_coldsnap.launch.base import Launcher, Progress, RunningUnit
 from sparkrun_coldsnap.launch.docker import ContainerSpec
 
 if TYPE_CHECKING:
     from sparkrun_coldsnap.documents.request import LaunchUnit, RestoreRequest, Workload
-    from sparkrun_coldsnap.drivers.base import SnapshotDriver, UnitImage
+    from sparkrun_coldsnap.drivers.base import SnapshotDriver
     from sparkrun_coldsnap.launch.engine_env import EngineEnv
 
 
@@ -45,7 +48,11 @@ class StagedContainer:
 
     def activate(self, name: str, *, log_path: Path, progress: Progress) -> RunningUnit:
         container, self.container = self.container, None
-        running = self.driver.start_container(container, name, progress)
+        if isinstance(container, gpu_container.PreparedGpuContainer):
+            running = gpu_container.start(container, name, progress)
+        else:
+            progress("docker start --checkpoint")
+            running = container_restore.start_from_checkpoint(container, name)
         tiles = getattr(running, "amx_permission", None)
         if tiles is not None:
             self.details["amx_permission"] = tiles
@@ -85,14 +92,42 @@ class Containers(Launcher):
         ]
 
     def checkpoint(self, driver: SnapshotDriver, unit: RunningUnit, images: Path, *, unit_def: LaunchUnit, progress: Progress) -> UnitImage:
-        return driver.checkpoint_container(unit, images, unit_name=unit_def.name, host=unit_def.host, spec=getattr(unit, "spec", None), progress=progress)
+        """docker's checkpoint of the container (its runc runs CRIU), between the driver's device
+        steps where it has device state; the container stops."""
+        if not driver.in_containers:
+            raise CaptureError("snapshot driver %s does not capture containers; use executor: local, or the cpu driver" % driver.name)
+        assert isinstance(unit, docker.ContainerUnit), "a container unit of another launcher"
+        root = unit.root_pid
+        pids = tuple(tree_pids(root))
+        if driver.device_state:
+            data = gpu_container.capture(driver, unit, images, pids=pids, progress=progress)
+        else:
+            progress("docker checkpoint of %d processes" % len(pids))
+            docker.checkpoint(unit, images)
+            data = {}
+        size = sum(f.stat().st_size for f in images.rglob("*") if f.is_file())
+        spec = unit.spec
+        assert spec is not None, "a container the plugin did not start"
+        data.update(container=dict(spec.to_json(), env=redact_env(dict(spec.env))), runtime=docker.runtime_summary())
+        return UnitImage(
+            name=unit_def.name, host=unit_def.host, driver=driver.name, root_pid=root, pids=pids, pid_namespace=True, image_bytes=size,
+            criu_version=driver.checkpoint_tool_version(), driver_data=data,
+        )  # fmt: skip
 
     def stage(self, driver: SnapshotDriver, image: UnitImage, images: Path, *, staging: Path, request: RestoreRequest) -> StagedContainer:
         launch = request.workload.launch
         spec = ContainerSpec.from_json(image.driver_data["container"], labels=request.workload_labels, env=launch.env, volumes=launch.volumes)
         temp = "coldsnap-restore-%s-%s" % (request.capsule.name, os.path.basename(staging)[-8:].lower())
         try:
-            staged = StagedContainer(driver, driver.prepare_container(image, images, spec, temp))
+            staged = StagedContainer(driver, self._prepare(driver, image, images, spec, temp))
         finally:
             paths.remove_staging(staging)  # the container holds its own copy now
         return staged
+
+    def _prepare(self, driver: SnapshotDriver, image: UnitImage, images: Path, spec: ContainerSpec, temp: str) -> Any:
+        """The container a restore will start, loaded with *images* (before eviction)."""
+        if not driver.in_containers:
+            raise RestoreError("snapshot driver %s does not restore containers" % driver.name)
+        if driver.device_state:
+            return gpu_container.prepare(driver, image, images, spec, temp)
+        return container_restore.prepare_restore(spec, images, temp, lazy=driver.memory_on_demand())

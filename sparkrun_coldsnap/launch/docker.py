@@ -230,9 +230,9 @@ class ContainerUnit:
 
     def stop_lazy_daemon(self) -> None:
         if self.lazy_daemon is not None:
-            from sparkrun_coldsnap.drivers.criu_tree import _stop_daemon
+            from sparkrun_coldsnap.drivers.criu_tree import stop_lazy_daemon
 
-            _stop_daemon(self.lazy_daemon)
+            stop_lazy_daemon(self.lazy_daemon)
             self.lazy_daemon = None
 
     def stop(self, grace: float = 10.0) -> None:

@@ -31,13 +31,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from sparkrun_coldsnap.drivers import cuda_checkpoint, gpu_ranks
+from sparkrun_coldsnap.documents import settings
+from sparkrun_coldsnap.drivers import cuda_checkpoint, gpu_ranks, nvidia
 from sparkrun_coldsnap.drivers.cuda_checkpoint import CheckpointApi
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
 from sparkrun_coldsnap.host.process_tree import tree_pids
 from sparkrun_coldsnap.launch import container_restore, docker
+
+if TYPE_CHECKING:
+    from sparkrun_coldsnap.drivers.base import SnapshotDriver, UnitImage
+    from sparkrun_coldsnap.launch.base import Progress
 
 
 class ContainerRuntime(Protocol):
@@ -76,6 +81,45 @@ class PreparedGpuContainer:
         """Drop the preparation (an activation that never happens)."""
         self.unit.remove()
         self.api.kill()
+
+
+def capture(driver: SnapshotDriver, unit: docker.ContainerUnit, images: Path, *, pids: Sequence[int], progress: Progress) -> dict[str, Any]:
+    """The driver's device steps around docker's checkpoint of *unit* (its tree: *pids*); what
+    a restore needs of the devices (the unit's ``driver_data``)."""
+    cuda = cuda_checkpoint.cuda_processes(pids)
+    api = driver.device_api()
+    try:
+        every = api.uuids()
+        uuids = cuda_checkpoint.workload_gpus(every, nvidia.gpus_of(pids))
+        progress("CUDA checkpoint of %d processes, then docker checkpoint" % len(cuda))
+        data = checkpoint(api, DockerRuntime(), unit, images, cuda_pids=cuda)
+    finally:
+        api.close()
+    return {**data, "gpu_uuids": uuids, "host_gpu_uuids": every, "driver_version": api.driver_version}
+
+
+def prepare(driver: SnapshotDriver, image: UnitImage, images: Path, spec: docker.ContainerSpec, temp_name: str) -> PreparedGpuContainer:
+    """The container a restore will start, loaded with *images*, and the driver's device API
+    warmed up beside it (before eviction)."""
+    container = container_restore.prepare_restore(spec, images, temp_name, lazy=driver.memory_on_demand())
+    try:
+        api = driver.warm_up(image)
+    except BaseException:
+        container.remove()
+        raise
+    used = image.driver_data.get("gpu_uuids", ())
+    return PreparedGpuContainer(container, api, image.driver_data.get("cuda_ns_pids", ()), used, image.driver_data.get("host_gpu_uuids", used))
+
+
+def start(prepared: PreparedGpuContainer, name: str, progress: Progress) -> Any:
+    """Start *prepared* from its checkpoint as *name*, its CUDA processes given their GPUs back."""
+    try:
+        here = prepared.api.uuids()
+        pairs = cuda_checkpoint.gpu_pairs(prepared.used, prepared.captured_all, here, cuda_checkpoint.visible_uuids(settings.current().cuda_visible_devices, here))
+        progress("docker start --checkpoint, then CUDA restore of %d processes" % len(prepared.cuda_ns_pids))
+        return restore(prepared.api, DockerRuntime(), prepared.unit, name, cuda_ns_pids=prepared.cuda_ns_pids, pairs=pairs)
+    finally:
+        prepared.api.close()
 
 
 def ns_pid(host_pid: int, proc: Path = Path("/proc")) -> int:

@@ -1,6 +1,6 @@
 """Hibernate: capture the LIVE workload into a capsule (no fresh engine start), then stop it.
 
-The capture story (``controller/capture.py``) from the point the engine serves (validate,
+The capture story (``api.capture`` with a live workload) from the point the engine serves (validate,
 write the native weights, release device memory, precheck, record files, checkpoint, pack,
 publish), told against the running tree sparkrun has registered instead of one the capture
 starts. What differs is what a failure leaves: the workload. Nothing ever stops it before the
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sparkrun_coldsnap.api import CaptureOutcome, LiveWorkload, capture
 from sparkrun_coldsnap.capsule.config import NativePayload
 from sparkrun_coldsnap.capsule.store import CapsuleStore
-from sparkrun_coldsnap.controller.capture import CaptureOutcome, LiveWorkload, capture
 from sparkrun_coldsnap.documents.request import CaptureRequest
 from sparkrun_coldsnap.documents.settings import Settings
 from sparkrun_coldsnap.launch.local import StartedUnit
