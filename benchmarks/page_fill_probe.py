@@ -26,9 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sparkrun_coldsnap.criu import page_fill  # noqa: E402
+from sparkrun_coldsnap.criu import tree as criu_tree  # noqa: E402
+from sparkrun_coldsnap.criu.tool import Criu  # noqa: E402
 from sparkrun_coldsnap.documents import settings  # noqa: E402
-from sparkrun_coldsnap.drivers import criu_tree, page_fill  # noqa: E402
-from sparkrun_coldsnap.drivers.criu_tool import Criu  # noqa: E402
 from sparkrun_coldsnap.host.process_tree import kill_tree  # noqa: E402
 from sparkrun_coldsnap.launch.local import start_unit  # noqa: E402
 

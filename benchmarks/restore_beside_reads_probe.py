@@ -11,7 +11,7 @@ happens on this machine, and where CRIU waits:
   restore's preparation stages the images;
 - then restores it, in turn, alone and beside a reader that reads a large file as the copy
   does (READERS threads, 16 MiB direct reads), each without and with CRIU's record of the
-  kernel's features at /run/criu.kdat (drivers/criu_kdat.py); page cache dropped before each,
+  kernel's features at /run/criu.kdat (criu/kdat.py); page cache dropped before each,
   then the files the tree maps and CRIU's own files read back, as preparation does; the
   memory fill planned as the GPU drivers plan it;
 - prints `criu restore`'s median in each case, the reader's rate, and, from CRIU's own log at
@@ -44,8 +44,11 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sparkrun_coldsnap.drivers import criu_kdat, criu_tool, criu_tree, page_fill  # noqa: E402
-from sparkrun_coldsnap.drivers.criu_tool import Criu  # noqa: E402
+from sparkrun_coldsnap.criu import kdat as criu_kdat  # noqa: E402
+from sparkrun_coldsnap.criu import page_fill  # noqa: E402
+from sparkrun_coldsnap.criu import tool as criu_tool  # noqa: E402
+from sparkrun_coldsnap.criu import tree as criu_tree  # noqa: E402
+from sparkrun_coldsnap.criu.tool import Criu  # noqa: E402
 from sparkrun_coldsnap.host.iouring import io_uring_disabled  # noqa: E402
 from sparkrun_coldsnap.host.process_tree import kill_tree, mapped_paths, tree_pids  # noqa: E402
 from sparkrun_coldsnap.launch.engine_env import EngineEnv  # noqa: E402

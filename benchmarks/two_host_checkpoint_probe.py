@@ -40,7 +40,7 @@ from conftest import coldsnap_home, hf_home  # noqa: E402
 from cpu_distributed_probe import ENV, MODEL, PORT, VLLM_SHIM, engine_alive, get, rank_commands, ssh  # noqa: E402
 from two_hosts import TwoHosts  # noqa: E402
 
-from sparkrun_coldsnap.drivers.criu_tool import Criu  # noqa: E402
+from sparkrun_coldsnap.criu.tool import Criu  # noqa: E402
 from sparkrun_coldsnap.host.iouring import io_uring_disabled  # noqa: E402
 
 FLAGS = "--tcp-established --ext-unix-sk --file-locks --link-remap --ghost-limit 256M"

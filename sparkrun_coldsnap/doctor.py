@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass
 
 from sparkrun_coldsnap import __version__, extensions
 from sparkrun_coldsnap.capsule.store import CapsuleStore
-from sparkrun_coldsnap.drivers import criu_kdat, criu_tool
+from sparkrun_coldsnap.criu import kdat as criu_kdat
+from sparkrun_coldsnap.criu import tool as criu_tool
 from sparkrun_coldsnap.host import disk_room, paths
 from sparkrun_coldsnap.host.facts import host_facts
 from sparkrun_coldsnap.host.iouring import SYSCTL

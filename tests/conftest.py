@@ -114,7 +114,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 @pytest.fixture(scope="session")
 def criu():
     """Real CRIU, located as the plugin locates it (scripts/setup.sh installs it)."""
-    from sparkrun_coldsnap.drivers.criu_tool import Criu
+    from sparkrun_coldsnap.criu.tool import Criu
 
     return Criu.locate()
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkrun_coldsnap.drivers import nvidia
+from sparkrun_coldsnap.cuda import nvidia
 from sparkrun_coldsnap.host import facts
 
 FAKE_CUDA = Path(__file__).parent / "fakes" / "fake_cuda"
@@ -46,7 +46,7 @@ def engine_env() -> dict[str, str]:
 def start_fake_cuda_workload(cmd: str, *, log_path: Path, visible: str, cuda_processes: int):
     """Start *cmd* as a host-process unit on the fake GPUs *visible*, once *cuda_processes*
     of its processes hold a fake CUDA context."""
-    from sparkrun_coldsnap.drivers import cuda_checkpoint
+    from sparkrun_coldsnap.cuda import checkpoint as cuda_checkpoint
     from sparkrun_coldsnap.host.iouring import io_uring_disabled
     from sparkrun_coldsnap.host.process_tree import tree_pids
     from sparkrun_coldsnap.launch.local import start_unit

@@ -18,7 +18,7 @@ import pytest
 import requests
 from registry_fixtures import free_port
 
-from sparkrun_coldsnap.drivers import tree_inspect
+from sparkrun_coldsnap.criu import tree_inspect
 from sparkrun_coldsnap.drivers.cpu import CpuDriver
 from sparkrun_coldsnap.host.iouring import SYSCTL, io_uring_disabled
 from sparkrun_coldsnap.host.process_tree import kill_tree, tree_pids

@@ -1,4 +1,4 @@
-"""CRIU's record of the kernel's features (drivers/criu_kdat.py), with the real CRIU and the
+"""CRIU's record of the kernel's features (criu/kdat.py), with the real CRIU and the
 real /run: made where CRIU does not keep it, read by CRIU afterwards, made again for another
 boot or another CRIU; on a tmpfs /run (a mount namespace of the test's own) left to CRIU."""
 
@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from sparkrun_coldsnap.drivers import criu_kdat
+from sparkrun_coldsnap.criu import kdat as criu_kdat
+from sparkrun_coldsnap.criu.tool import Criu
 from sparkrun_coldsnap.drivers.cpu import CpuDriver
-from sparkrun_coldsnap.drivers.criu_tool import Criu
 
 pytestmark = pytest.mark.engine  # the real CRIU
 
@@ -61,8 +61,8 @@ def test_where_run_is_not_a_tmpfs_the_record_is_made_read_by_criu_and_kept(no_re
 
 def test_on_a_tmpfs_run_the_record_is_left_to_criu(tmp_path):
     code = (
-        "from sparkrun_coldsnap.drivers import criu_kdat\n"
-        "from sparkrun_coldsnap.drivers.criu_tool import Criu\n"
+        "from sparkrun_coldsnap.criu import kdat as criu_kdat\n"
+        "from sparkrun_coldsnap.criu.tool import Criu\n"
         "assert criu_kdat.on_tmpfs(criu_kdat.RUN)\n"
         "print(criu_kdat.ensure(Criu.locate())['record'], criu_kdat.ensure(Criu.locate())['record'])\n"
     )

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from sparkrun_coldsnap.drivers import cuda_checkpoint as cc
-from sparkrun_coldsnap.drivers.criu_tree import pid_problems
-from sparkrun_coldsnap.drivers.nvidia import checkpoint_api_problem
+from sparkrun_coldsnap.criu.tree import pid_problems
+from sparkrun_coldsnap.cuda import checkpoint as cc
+from sparkrun_coldsnap.cuda.nvidia import checkpoint_api_problem
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
 from sparkrun_coldsnap.host.facts import GpuFacts, GpuInfo, HostFacts
 
@@ -233,7 +233,7 @@ class NamedError(str):
 
 
 def helper_with(driver):
-    from sparkrun_coldsnap.drivers import cuda_helper
+    from sparkrun_coldsnap.cuda import helper as cuda_helper
 
     h = cuda_helper.Helper.__new__(cuda_helper.Helper)
     h.d = driver
@@ -254,7 +254,7 @@ def test_the_helper_restores_every_process_before_unlocking_any(parallel):
 
 
 def test_a_failed_restore_among_several_names_its_process_and_unlocks_none():
-    from sparkrun_coldsnap.drivers import cuda_helper
+    from sparkrun_coldsnap.cuda import helper as cuda_helper
 
     driver = RecordingDriver(seconds=0.05, fail={("restore", 12): NamedError("CUDA_ERROR_OUT_OF_MEMORY")})
     with pytest.raises(cuda_helper.CallFailed) as raised:

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from sparkrun_coldsnap import doctor
 from sparkrun_coldsnap.cli import coldsnap_group
-from sparkrun_coldsnap.drivers import criu_tool
+from sparkrun_coldsnap.criu import tool as criu_tool
 
 
 def fake_criu(path: Path, version: str) -> Path:

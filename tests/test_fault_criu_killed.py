@@ -14,9 +14,9 @@ from registry_fixtures import free_port
 from test_criu_driver import captured_server, start, wait_http
 
 from sparkrun_coldsnap.controller.common import Attempt
+from sparkrun_coldsnap.criu.tree import CheckpointFailed
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder
 from sparkrun_coldsnap.drivers.cpu import CpuDriver
-from sparkrun_coldsnap.drivers.criu_tree import CheckpointFailed
 from sparkrun_coldsnap.errors import CaptureError
 from sparkrun_coldsnap.host.iouring import io_uring_disabled
 from sparkrun_coldsnap.host.process_tree import kill_tree

@@ -1,4 +1,4 @@
-"""Several GPU ranks in one unit (drivers/gpu_ranks.py): the launch settings that keep their
+"""Several GPU ranks in one unit (cuda/ranks.py): the launch settings that keep their
 collectives checkpointable, and the order of the CUDA checkpoint calls over every CUDA
 process of the tree, against fakes of the checkpoint API.
 
@@ -22,8 +22,9 @@ from registry_fixtures import free_port
 from test_criu_driver import wait_http
 from test_cuda_checkpoint import FakeCheckpointApi
 
+from sparkrun_coldsnap.cuda import checkpoint as cuda_checkpoint
+from sparkrun_coldsnap.cuda import ranks as gpu_ranks
 from sparkrun_coldsnap.documents.request import LaunchUnit, Topology
-from sparkrun_coldsnap.drivers import cuda_checkpoint, gpu_ranks
 from sparkrun_coldsnap.drivers.n610 import N610Driver
 from sparkrun_coldsnap.engines.sglang import SglangAdapter
 from sparkrun_coldsnap.engines.vllm import VllmAdapter

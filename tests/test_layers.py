@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "sparkrun_coldsnap"
 NAME = PACKAGE.name
 
 # Modules that run in the engine's own interpreter, not the plugin's.
-ENGINE_SIDE = ("weights.engine_side", "setup.tiny_model", "drivers.template_launcher", "drivers.cuda_helper")
+ENGINE_SIDE = ("weights.engine_side", "setup.tiny_model", "drivers.template_launcher", "cuda.helper")
 
 
 def module_name(path: Path) -> str:
@@ -97,7 +97,7 @@ def test_no_import_cycles():
 
 def test_the_controller_imports_no_concrete_driver_or_launch_unit():
     g = graph()
-    concrete = {"%s.%s" % (NAME, m) for m in ("drivers.cpu", "drivers.n580", "drivers.n610", "drivers.criu_tool", "drivers.criu_tree", "drivers.cuda_checkpoint")}
+    concrete = {"%s.%s" % (NAME, m) for m in ("drivers.cpu", "drivers.n580", "drivers.n610", "criu.tool", "criu.tree", "cuda.checkpoint")}
     concrete |= {"%s.launch.%s" % (NAME, m) for m in ("local", "docker")}
     for name, deps in g.items():
         if name.startswith(NAME + ".controller"):

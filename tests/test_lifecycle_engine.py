@@ -122,7 +122,7 @@ def test_capture_hibernate_wake_warm_run_with_status_at_each_step(captured, spar
 
 
 def test_a_hibernate_whose_criu_is_killed_leaves_the_workload_serving(captured, sparkrun, monkeypatch):
-    from sparkrun_coldsnap.drivers.criu_tool import Criu
+    from sparkrun_coldsnap.criu.tool import Criu
 
     store, recipe, reply = unpacked(captured)
     sr = sparkrun

@@ -1,7 +1,7 @@
 """The n610 driver end to end on a small CUDA-shaped workload: real CRIU, the real helper
 process and its protocol, and the FAKE CUDA driver bindings (tests/fakes/fake_cuda).
 
-The fake stands one level below the helper, where the GPU is: ``cuda_helper.py`` imports
+The fake stands one level below the helper, where the GPU is: ``cuda/helper.py`` imports
 it as ``cuda.bindings.driver`` and runs as it does on the GPU machine (JSON lines, UUIDs
 written through ``CUuuid``'s address, errors named by ``CUresult``). The workload is
 tests/workloads/server.py with ``--fake-cuda``: a server and a worker, each holding a
@@ -25,7 +25,7 @@ from gpu_fixtures import fake_gpu_host, fake_gpu_state, n610_checkpoint, start_f
 from registry_fixtures import free_port
 from test_criu_driver import wait_http
 
-from sparkrun_coldsnap.drivers import cuda_checkpoint
+from sparkrun_coldsnap.cuda import checkpoint as cuda_checkpoint
 from sparkrun_coldsnap.drivers.n610 import N610Driver
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
 from sparkrun_coldsnap.host.process_tree import kill_tree, tree_pids

@@ -18,11 +18,12 @@ import psutil
 import pytest
 from test_zero_pages import PAGES, continues_as_dumped, digest, dump_pattern, pages_listed
 
+from sparkrun_coldsnap.criu import images as img
+from sparkrun_coldsnap.criu import page_fill, zero_pages
+from sparkrun_coldsnap.criu import tree as criu_tree
+from sparkrun_coldsnap.criu.tool import Criu
 from sparkrun_coldsnap.documents import settings
-from sparkrun_coldsnap.drivers import criu_images as img
-from sparkrun_coldsnap.drivers import criu_tree, page_fill, zero_pages
 from sparkrun_coldsnap.drivers.cpu import CpuDriver
-from sparkrun_coldsnap.drivers.criu_tool import Criu
 from sparkrun_coldsnap.drivers.n610 import N610Driver
 from sparkrun_coldsnap.errors import RestoreError
 from sparkrun_coldsnap.host.process_tree import inner_pid, kill_tree

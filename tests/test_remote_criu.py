@@ -56,7 +56,7 @@ CLIENT = textwrap.dedent(
 DRIVE = textwrap.dedent(
     """
     import json, shlex, sys, time
-    from sparkrun_coldsnap.drivers.criu_tool import Criu
+    from sparkrun_coldsnap.criu.tool import Criu
     from sparkrun_coldsnap.errors import ColdsnapError
     from sparkrun_coldsnap.controller.cut import UnitOnHost, checkpoint_units
     from sparkrun_coldsnap.integration.remote_criu import CriuCut, RemoteCriu

@@ -14,7 +14,7 @@ from sparkrun_coldsnap.host.threads import ContextPool, start_thread
 
 PACKAGE = Path(__file__).resolve().parent.parent / "sparkrun_coldsnap"
 # Modules that run in the engine's own interpreter, where the plugin's settings are not read.
-ENGINE_SIDE = ("weights/engine_side/", "drivers/cuda_helper.py")
+ENGINE_SIDE = ("weights/engine_side/", "cuda/helper.py")
 
 
 def _settings(name: str) -> settings_mod.Settings:

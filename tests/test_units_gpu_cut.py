@@ -3,7 +3,7 @@ a workload on several hosts, and what a failure on one host does to every host.
 
 The controller's real steps run here (``cut`` and
 the agent-backed steps of ``controller/units_agent.py``) over ``FakeHosts``: two FAKE hosts
-whose steps, over the real wire, call the n610 driver's own per-host functions (``drivers/cuda_units.py``)
+whose steps, over the real wire, call the n610 driver's own per-host functions (``cuda/units.py``)
 on a FAKE of the checkpoint API per host. The fake is as strict as the driver in what
 matters to the order: illegal transitions fail (``FakeCheckpointApi``), and a process that is
 stopped (SIGSTOP) answers no call, since the driver's calls are carried out by the process's
@@ -19,8 +19,9 @@ from test_cuda_checkpoint import FakeCheckpointApi
 
 from sparkrun_coldsnap.controller.cut import UnitOnHost, checkpoint_units, restore_units
 from sparkrun_coldsnap.controller.units_agent import AgentCut, AgentDevices, AgentRestore
+from sparkrun_coldsnap.cuda import checkpoint as cuda_checkpoint
+from sparkrun_coldsnap.cuda import units as cuda_units
 from sparkrun_coldsnap.documents.request import LaunchUnit
-from sparkrun_coldsnap.drivers import cuda_checkpoint, cuda_units
 from sparkrun_coldsnap.drivers.base import UnitImage
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
 from sparkrun_coldsnap.units import framing

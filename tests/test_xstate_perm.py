@@ -24,10 +24,11 @@ import time
 import pytest
 from test_zero_pages import PAGES, continues_as_dumped, digest, dump_pattern
 
+from sparkrun_coldsnap.criu import page_fill
+from sparkrun_coldsnap.criu import tree as criu_tree
+from sparkrun_coldsnap.criu.tool import Criu
 from sparkrun_coldsnap.documents import settings
-from sparkrun_coldsnap.drivers import criu_tree, page_fill
 from sparkrun_coldsnap.drivers.cpu import CpuDriver
-from sparkrun_coldsnap.drivers.criu_tool import Criu
 from sparkrun_coldsnap.host import xstate_perm
 from sparkrun_coldsnap.host.process_tree import kill_tree, tree_pids
 from sparkrun_coldsnap.host.xstate_perm import _ERESTART_RESTARTBLOCK, _NO_SYSCALL, _ORIG_RAX, _RAX, _RIP, _Regs

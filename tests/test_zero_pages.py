@@ -22,12 +22,13 @@ import pytest
 import requests
 from registry_fixtures import free_port
 
+from sparkrun_coldsnap.criu import image_contents, zero_pages
+from sparkrun_coldsnap.criu import images as img
+from sparkrun_coldsnap.criu import tree as criu_tree
+from sparkrun_coldsnap.criu.tool import Criu
 from sparkrun_coldsnap.documents import settings
-from sparkrun_coldsnap.drivers import criu_images as img
-from sparkrun_coldsnap.drivers import criu_tree, image_contents, zero_pages
 from sparkrun_coldsnap.drivers.base import UnitImage
 from sparkrun_coldsnap.drivers.cpu import CpuDriver
-from sparkrun_coldsnap.drivers.criu_tool import Criu
 from sparkrun_coldsnap.host.process_tree import kill_tree, tree_pids
 from sparkrun_coldsnap.launch.local import start_unit
 

@@ -14,7 +14,7 @@ recorded at capture.
 
 ``--tp 2`` runs every step on a unit of two tensor-parallel ranks (benchmarks/gpu/tp2.sh runs
 them all); the n610 driver then launches the ranks with collectives that share no device
-memory (drivers/gpu_ranks.py), and ``ranks`` reports which NCCL transports the ranks used.
+memory (cuda/ranks.py), and ``ranks`` reports which NCCL transports the ranks used.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ sys.path.insert(0, str(ROOT))
 
 from sparkrun_coldsnap import api, bench  # noqa: E402
 from sparkrun_coldsnap.capsule.store import CapsuleStore  # noqa: E402
+from sparkrun_coldsnap.cuda import nvidia  # noqa: E402
 from sparkrun_coldsnap.documents import request as rq  # noqa: E402
 from sparkrun_coldsnap.documents import settings  # noqa: E402
 from sparkrun_coldsnap.documents.receipts import write_receipt  # noqa: E402
-from sparkrun_coldsnap.drivers import nvidia  # noqa: E402
 from sparkrun_coldsnap.errors import ColdsnapError  # noqa: E402
 from sparkrun_coldsnap.host import bandwidth, paths  # noqa: E402
 from sparkrun_coldsnap.host.facts import gpu_facts  # noqa: E402

@@ -18,8 +18,8 @@ import requests
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from sparkrun_coldsnap.cuda.nvidia import gpus_of  # noqa: E402
 from sparkrun_coldsnap.drivers.n610 import N610Driver  # noqa: E402
-from sparkrun_coldsnap.drivers.nvidia import gpus_of  # noqa: E402
 from sparkrun_coldsnap.host.facts import host_facts  # noqa: E402
 from sparkrun_coldsnap.host.iouring import io_uring_disabled  # noqa: E402
 from sparkrun_coldsnap.host.process_tree import kill_tree, tree_pids  # noqa: E402

@@ -84,7 +84,7 @@ def setup(do_criu, engine, do_model, do_sparkrun, do_docker, criu_debs, engine_p
 
     With no option, does all of it.
     """
-    from sparkrun_coldsnap.drivers.criu_tool import Criu
+    from sparkrun_coldsnap.criu.tool import Criu
     from sparkrun_coldsnap.errors import ToolError
     from sparkrun_coldsnap.setup import criu_install, engine_install
 

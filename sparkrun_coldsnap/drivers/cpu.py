@@ -5,7 +5,7 @@ there), so they travel inside the process images: the capsule says so.
 
 The engine is captured where it ran, in the host's namespaces, and comes
 back in PID, mount and network namespaces of its own
-(:mod:`sparkrun_coldsnap.drivers.criu_isolated`): its captured PIDs and
+(:mod:`sparkrun_coldsnap.criu.isolated`): its captured PIDs and
 ``/dev/shm`` names never meet the host's, so a restore can be staged while
 the workload it replaces still serves, and one capsule can be restored twice
 on one host, each on its own port. (The GPU drivers restore into the host's
@@ -19,11 +19,14 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from sparkrun_coldsnap.criu import isolated as criu_isolated
+from sparkrun_coldsnap.criu import nested as criu_nested
+from sparkrun_coldsnap.criu import page_fill, tree_inspect
+from sparkrun_coldsnap.criu import tree as criu_tree
+from sparkrun_coldsnap.criu.tool import Criu
 from sparkrun_coldsnap.documents import settings
-from sparkrun_coldsnap.drivers import criu_isolated, criu_nested, criu_tree, page_fill, tree_inspect
 from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, Support, UnitImage
 from sparkrun_coldsnap.drivers.criu_driver import CriuDriver
-from sparkrun_coldsnap.drivers.criu_tool import Criu
 from sparkrun_coldsnap.errors import ToolError
 from sparkrun_coldsnap.hookspecs import hookimpl
 from sparkrun_coldsnap.host.facts import HostFacts

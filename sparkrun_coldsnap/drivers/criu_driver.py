@@ -6,9 +6,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sparkrun_coldsnap.drivers import criu_kdat, criu_tool, criu_tree, image_contents, zero_pages
+from sparkrun_coldsnap.criu import image_contents, zero_pages
+from sparkrun_coldsnap.criu import kdat as criu_kdat
+from sparkrun_coldsnap.criu import tool as criu_tool
+from sparkrun_coldsnap.criu import tree as criu_tree
+from sparkrun_coldsnap.criu.tool import Criu
 from sparkrun_coldsnap.drivers.base import Progress, SnapshotDriver, UnitImage
-from sparkrun_coldsnap.drivers.criu_tool import Criu
 
 
 class CriuDriver(SnapshotDriver):

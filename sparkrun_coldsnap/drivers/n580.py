@@ -16,11 +16,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sparkrun_coldsnap.drivers import criu_tree, tree_inspect
+from sparkrun_coldsnap.criu import tree as criu_tree
+from sparkrun_coldsnap.criu import tree_inspect
+from sparkrun_coldsnap.criu.tool import Criu
+from sparkrun_coldsnap.cuda.nvidia import driver_major
 from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, Support, UnitImage
 from sparkrun_coldsnap.drivers.criu_driver import CriuDriver
-from sparkrun_coldsnap.drivers.criu_tool import Criu
-from sparkrun_coldsnap.drivers.nvidia import driver_major
 from sparkrun_coldsnap.errors import CaptureError, EngineError, RequestError, ToolError
 from sparkrun_coldsnap.hookspecs import hookimpl
 from sparkrun_coldsnap.host.facts import HostFacts

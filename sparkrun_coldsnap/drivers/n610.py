@@ -18,11 +18,16 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sparkrun_coldsnap.criu import page_fill, tree_inspect
+from sparkrun_coldsnap.criu import tree as criu_tree
+from sparkrun_coldsnap.criu.tool import Criu
+from sparkrun_coldsnap.cuda import checkpoint as cuda_checkpoint
+from sparkrun_coldsnap.cuda import nvidia
+from sparkrun_coldsnap.cuda import ranks as gpu_ranks
+from sparkrun_coldsnap.cuda import units as cuda_units
 from sparkrun_coldsnap.documents import settings
-from sparkrun_coldsnap.drivers import criu_tree, cuda_checkpoint, cuda_units, gpu_ranks, nvidia, page_fill, tree_inspect
 from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, Support, UnitImage
 from sparkrun_coldsnap.drivers.criu_driver import CriuDriver
-from sparkrun_coldsnap.drivers.criu_tool import Criu
 from sparkrun_coldsnap.errors import CaptureError, ToolError
 from sparkrun_coldsnap.hookspecs import hookimpl
 from sparkrun_coldsnap.host.facts import HostFacts
@@ -61,7 +66,7 @@ class N610Driver(CriuDriver):
         return Support(True, "driver %s, %s; criu %s" % (host.gpu.nvidia_driver, ipc, criu.version))
 
     def launch_settings(self, command: str, env: Mapping[str, str], *, adapter: EngineAdapter, topology: Topology) -> tuple[str, dict[str, str]]:
-        # Several ranks: collectives that share no device memory between processes (gpu_ranks.py).
+        # Several ranks: collectives that share no device memory between processes (cuda/ranks.py).
         return gpu_ranks.launch_settings(command, env, adapter=adapter, topology=topology)
 
     def precheck(self, root_pid: int) -> list[str]:
@@ -148,7 +153,7 @@ class N610Driver(CriuDriver):
             api.close()
         return RestoredUnit(pid, handed, details=measured)
 
-    # -- one unit of a workload on several hosts, step by step on its host (cuda_units.py) ----
+    # -- one unit of a workload on several hosts, step by step on its host (cuda/units.py) ----
 
     def lock_devices(self, root_pid: int) -> dict[str, Any]:
         with _helper() as api:

@@ -72,7 +72,7 @@ class EngineAdapter(ABC):
     #: the serve flags that name the model (a repo id or a directory) and pin its revision.
     model_flags: ClassVar[tuple[str, ...]] = ("--model",)
     revision_flag: ClassVar[str] = "--revision"
-    #: Several GPU ranks (drivers/gpu_ranks.py): flags that keep the engine's own collectives
+    #: Several GPU ranks (cuda/ranks.py): flags that keep the engine's own collectives
     #: from sharing device memory between ranks (added when missing), flags that make them
     #: share it (refused), and environment that does the same as the flags added.
     ipc_free_flags: ClassVar[tuple[str, ...]] = ()

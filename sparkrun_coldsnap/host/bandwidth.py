@@ -69,7 +69,7 @@ def measure(sample_file: Path | None, *, drop_cache: bool) -> dict[str, float]:
     out = {"memory_write": fresh_memory_write()}
     threads = settings.current().page_fill_threads
     if threads > 1:
-        # what the memory fill after criu restore writes at (drivers/page_fill.py)
+        # what the memory fill after criu restore writes at (criu/page_fill.py)
         out["memory_write_parallel"] = fresh_memory_write(threads=threads)
     if sample_file is not None and sample_file.is_file():
         if drop_cache:

@@ -30,8 +30,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from sparkrun_coldsnap.drivers import criu_tree
-from sparkrun_coldsnap.drivers.criu_tool import Criu, log_tail
+from sparkrun_coldsnap.criu import tree as criu_tree
+from sparkrun_coldsnap.criu.tool import Criu, log_tail
 from sparkrun_coldsnap.errors import RestoreError, ToolError
 from sparkrun_coldsnap.host import disk_room, paths, xstate_perm
 from sparkrun_coldsnap.host.threads import start_thread

@@ -98,7 +98,7 @@ def daemon_running() -> bool:
 
 def check_checkpointing() -> None:
     """The daemon can checkpoint: experimental mode, a CRIU >= 4.2 on PATH for runc, runc's CRIU options."""
-    from sparkrun_coldsnap.drivers import criu_tool
+    from sparkrun_coldsnap.criu import tool as criu_tool
 
     problems = []
     if info().get("experimental") != "true":
@@ -230,7 +230,7 @@ class ContainerUnit:
 
     def stop_lazy_daemon(self) -> None:
         if self.lazy_daemon is not None:
-            from sparkrun_coldsnap.drivers.criu_tree import stop_lazy_daemon
+            from sparkrun_coldsnap.criu.tree import stop_lazy_daemon
 
             stop_lazy_daemon(self.lazy_daemon)
             self.lazy_daemon = None

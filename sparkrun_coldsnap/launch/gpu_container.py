@@ -33,9 +33,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from sparkrun_coldsnap.cuda import checkpoint as cuda_checkpoint
+from sparkrun_coldsnap.cuda import nvidia
+from sparkrun_coldsnap.cuda import ranks as gpu_ranks
+from sparkrun_coldsnap.cuda.checkpoint import CheckpointApi
 from sparkrun_coldsnap.documents import settings
-from sparkrun_coldsnap.drivers import cuda_checkpoint, gpu_ranks, nvidia
-from sparkrun_coldsnap.drivers.cuda_checkpoint import CheckpointApi
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
 from sparkrun_coldsnap.host.process_tree import tree_pids
 from sparkrun_coldsnap.launch import container_restore, docker

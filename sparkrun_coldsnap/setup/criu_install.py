@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from sparkrun_coldsnap.drivers import criu_tool
+from sparkrun_coldsnap.criu import tool as criu_tool
 from sparkrun_coldsnap.errors import ToolError
 from sparkrun_coldsnap.host.runner import run
 

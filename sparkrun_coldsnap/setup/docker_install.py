@@ -26,8 +26,8 @@ from pathlib import Path
 
 import psutil
 
+from sparkrun_coldsnap.criu import tool as criu_tool
 from sparkrun_coldsnap.documents import settings
-from sparkrun_coldsnap.drivers import criu_tool
 from sparkrun_coldsnap.errors import ToolError
 from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.host.runner import run

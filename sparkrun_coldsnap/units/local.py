@@ -168,8 +168,8 @@ class LocalHost:
         by its eviction, so it does not count)."""
         from sparkrun_coldsnap.compat.admission import admission
         from sparkrun_coldsnap.controller.common import resolve
+        from sparkrun_coldsnap.criu import tree as criu_tree
         from sparkrun_coldsnap.documents import settings as settings_mod
-        from sparkrun_coldsnap.drivers import criu_tree
         from sparkrun_coldsnap.host.process_tree import tree_pids
         from sparkrun_coldsnap.weights import native_parts
 
@@ -226,8 +226,8 @@ class LocalHost:
         return s.StageAnswer(staging=str(staging), images=str(staging / "units" / step.unit), bytes=written)
 
     def restore(self, step: s.RestoreStep) -> s.RestoreAnswer:
-        from sparkrun_coldsnap.drivers import criu_tree
-        from sparkrun_coldsnap.drivers.criu_tool import Criu
+        from sparkrun_coldsnap.criu import tree as criu_tree
+        from sparkrun_coldsnap.criu.tool import Criu
 
         # The dumped tree's processes must be gone, not zombies waiting for the host's init.
         held = criu_tree.pid_problems(step.image.pids, zombie_wait=step.zombie_wait)

@@ -1,6 +1,6 @@
 """FAKE ``cuda.bindings.driver`` (tests only): the CUDA driver's process checkpoint API, no GPU.
 
-CI has no GPU, so ``drivers/cuda_helper.py`` imports this module instead of NVIDIA's
+CI has no GPU, so ``cuda/helper.py`` imports this module instead of NVIDIA's
 bindings when ``tests/fakes/fake_cuda`` is first on its ``PYTHONPATH``. It offers the
 calls and types the helper uses, with cuda-bindings' calling convention (every call
 returns a tuple whose first item is a ``CUresult``), and it enforces what the driver

@@ -30,10 +30,10 @@ from typing import Any
 
 import psutil
 
+from sparkrun_coldsnap.criu import page_fill, tree_inspect
+from sparkrun_coldsnap.criu.tool import Criu, how_it_ended, log_tail
 from sparkrun_coldsnap.documents import settings
-from sparkrun_coldsnap.drivers import page_fill, tree_inspect
 from sparkrun_coldsnap.drivers.base import Progress, SharedFile, UnitImage
-from sparkrun_coldsnap.drivers.criu_tool import Criu, how_it_ended, log_tail
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
 from sparkrun_coldsnap.host import connections, major_faults, paths, peer_lock, xstate_perm
 from sparkrun_coldsnap.host.process_tree import fd_targets, kill_tree, shared_memory_files, tree_pids, users_of
@@ -372,7 +372,7 @@ def restore(
     in the background, then removes *owned_dir* (the staged images).
 
     CRIU leaves the tree stopped: images split for a fill
-    (:mod:`sparkrun_coldsnap.drivers.page_fill`) get the pages it took out written then, and
+    (:mod:`sparkrun_coldsnap.criu.page_fill`) get the pages it took out written then, and
     every process asks again for the AMX tile permission CRIU does not restore
     (:mod:`sparkrun_coldsnap.host.xstate_perm`) before any of it runs; then it is continued.
     *details* receives the timings.

@@ -4,7 +4,7 @@ CRIU fills a process's pages with one thread per process, bound by page faults (
 for the engine's biggest process), while the host writes fresh memory several times faster
 from several threads. So, while a restore is being prepared, the bulk of each process's
 private anonymous memory is taken out of CRIU's images (``split_for_fill``): CRIU brings
-those areas back as zeros (see :mod:`sparkrun_coldsnap.drivers.zero_pages` for why that is
+those areas back as zeros (see :mod:`sparkrun_coldsnap.criu.zero_pages` for why that is
 sound, a child's inherited areas included) and leaves the tree stopped; ``fill`` then
 writes the pages into the stopped processes with ``process_vm_writev`` from a pool of
 threads, over every process's pages at once, before the tree is continued. Staged on a
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sparkrun_coldsnap.drivers import criu_images as img
-from sparkrun_coldsnap.drivers.zero_pages import copy_ranges, for_each_process, plain_vmas
+from sparkrun_coldsnap.criu import images as img
+from sparkrun_coldsnap.criu.zero_pages import copy_ranges, for_each_process, plain_vmas
 from sparkrun_coldsnap.errors import RestoreError
 from sparkrun_coldsnap.host.process_tree import inner_pid, threads_stopped, tree_pids
 from sparkrun_coldsnap.host.threads import ContextPool

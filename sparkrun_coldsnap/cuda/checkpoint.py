@@ -6,7 +6,7 @@ each (device memory moves to host memory, device fds close). Restore:
 restore every process before unlocking any. A failure part-way rolls back so
 the workload is left running, or reports exactly which process is stuck.
 
-The calls go through a long-lived helper process (``cuda_helper.py``) that
+The calls go through a long-lived helper process (``cuda/helper.py``) that
 runs in a Python with ``cuda-bindings``.
 """
 
@@ -27,7 +27,7 @@ from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.errors import CaptureError, RestoreError, ToolError
 from sparkrun_coldsnap.host.process_tree import fd_targets, mapped_paths
 
-HELPER = Path(__file__).with_name("cuda_helper.py")
+HELPER = Path(__file__).with_name("helper.py")
 LOCK_TIMEOUT_MS = 30_000
 #: How long the helper may take to answer one call, beyond a lock's own timeout. A call on a
 #: process that shares device memory with a locked peer (CUDA IPC, as NCCL's P2P transport

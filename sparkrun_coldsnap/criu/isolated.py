@@ -3,7 +3,7 @@
 A tree captured in the host's namespaces needs, to come back there, its
 captured PIDs, its ``/dev/shm`` names and its port free on the host: the very
 things the workload being replaced, or a second restore of the same capsule,
-holds. Restored through :mod:`sparkrun_coldsnap.drivers.namespace_keeper` it
+holds. Restored through :mod:`sparkrun_coldsnap.criu.namespace_keeper` it
 gets them all in namespaces of its own, and the recipe's port is forwarded to
 the captured one. Nothing about namespaces is in the images: the same capsule
 restores either way.
@@ -21,15 +21,16 @@ from typing import Any
 
 import psutil
 
+from sparkrun_coldsnap.criu import page_fill
+from sparkrun_coldsnap.criu import tree as criu_tree
+from sparkrun_coldsnap.criu.tool import Criu, how_it_ended, log_tail
+from sparkrun_coldsnap.criu.tree import BASE_FLAGS, RESTORE_LOG, TCP_FLAGS
 from sparkrun_coldsnap.documents import settings
-from sparkrun_coldsnap.drivers import criu_tree, page_fill
 from sparkrun_coldsnap.drivers.base import Progress, UnitImage
-from sparkrun_coldsnap.drivers.criu_tool import Criu, how_it_ended, log_tail
-from sparkrun_coldsnap.drivers.criu_tree import BASE_FLAGS, RESTORE_LOG, TCP_FLAGS
 from sparkrun_coldsnap.errors import RestoreError
 from sparkrun_coldsnap.host import paths
 
-KEEPER = "sparkrun_coldsnap.drivers.namespace_keeper"
+KEEPER = "sparkrun_coldsnap.criu.namespace_keeper"
 
 
 def inner_port(unit: UnitImage, host_port: int | None) -> int | None:
@@ -57,7 +58,7 @@ def restore(
     *owned_dir* once every page has moved.
 
     The tree comes back stopped. Images split for a fill
-    (:mod:`sparkrun_coldsnap.drivers.page_fill`) are filled from this side, the host's: the
+    (:mod:`sparkrun_coldsnap.criu.page_fill`) are filled from this side, the host's: the
     fill finds each process by the PID it has inside the namespace, the one the images name.
     Every process gets back the AMX tile permission CRIU does not restore
     (:mod:`sparkrun_coldsnap.host.xstate_perm`) before the tree is continued. *details*

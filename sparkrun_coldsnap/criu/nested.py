@@ -1,6 +1,6 @@
 """CRIU dump of a tree that was restored into namespaces of its own (hibernating it).
 
-A tree restored by :mod:`sparkrun_coldsnap.drivers.criu_isolated` lives in a PID, mount and
+A tree restored by :mod:`sparkrun_coldsnap.criu.isolated` lives in a PID, mount and
 network namespace whose init is not part of it. CRIU run from the host refuses a tree in
 another PID namespace unless it dumps that namespace's init too, and would then record the
 namespaces. Run inside them instead (``nsenter`` into the init's namespaces), CRIU sees the
@@ -24,9 +24,10 @@ from pathlib import Path
 
 import psutil
 
-from sparkrun_coldsnap.drivers import criu_tree, tree_inspect
+from sparkrun_coldsnap.criu import tree as criu_tree
+from sparkrun_coldsnap.criu import tree_inspect
+from sparkrun_coldsnap.criu.tool import Criu, how_it_ended, log_tail
 from sparkrun_coldsnap.drivers.base import Progress, UnitImage
-from sparkrun_coldsnap.drivers.criu_tool import Criu, how_it_ended, log_tail
 from sparkrun_coldsnap.host.process_tree import SHARED_MEMORY_DIRS, fd_targets, inner_pid, kill_tree, mapped_paths, tree, tree_pids
 from sparkrun_coldsnap.host.runner import run
 

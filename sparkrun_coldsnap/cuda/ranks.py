@@ -33,9 +33,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from sparkrun_coldsnap.cuda import checkpoint as cuda_checkpoint
+from sparkrun_coldsnap.cuda.checkpoint import CheckpointApi
 from sparkrun_coldsnap.documents import settings
-from sparkrun_coldsnap.drivers import cuda_checkpoint
-from sparkrun_coldsnap.drivers.cuda_checkpoint import CheckpointApi
 from sparkrun_coldsnap.engines.base import flag_value, has_flag
 from sparkrun_coldsnap.errors import RequestError, RestoreError
 from sparkrun_coldsnap.host.facts import gpu_facts

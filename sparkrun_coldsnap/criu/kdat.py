@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sparkrun_coldsnap.drivers.criu_tool import Criu
-from sparkrun_coldsnap.drivers.page_fill import on_tmpfs
+from sparkrun_coldsnap.criu.page_fill import on_tmpfs
+from sparkrun_coldsnap.criu.tool import Criu
 from sparkrun_coldsnap.errors import ColdsnapError
 from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.host.facts import boot_id

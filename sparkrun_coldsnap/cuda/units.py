@@ -21,8 +21,9 @@ from typing import Any
 
 import psutil
 
-from sparkrun_coldsnap.drivers import cuda_checkpoint, nvidia
-from sparkrun_coldsnap.drivers.cuda_checkpoint import CheckpointApi, HelperProcess
+from sparkrun_coldsnap.cuda import checkpoint as cuda_checkpoint
+from sparkrun_coldsnap.cuda import nvidia
+from sparkrun_coldsnap.cuda.checkpoint import CheckpointApi, HelperProcess
 from sparkrun_coldsnap.errors import CaptureError, RequestError
 from sparkrun_coldsnap.host.process_tree import tree_pids
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from sparkrun_coldsnap.drivers import criu_images as img
+from sparkrun_coldsnap.criu import images as img
 
 _PAGEMAP = re.compile(r"pagemap-(\d+)\.img")
 WINDOW = 256  # pages compared at once before looking page by page (1 MiB)
