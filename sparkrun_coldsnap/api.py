@@ -33,7 +33,7 @@ from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.controller import units as controller_units
 from sparkrun_coldsnap.controller import units_restore
 from sparkrun_coldsnap.controller.capture import CaptureOutcome, LiveWorkload
-from sparkrun_coldsnap.controller.common import Attempt, Resolved, ServingOutcome, finish
+from sparkrun_coldsnap.controller.common import Attempt, ServingOutcome, finish
 from sparkrun_coldsnap.controller.cut import UnitOnHost
 from sparkrun_coldsnap.controller.restore import PreparedRestore, open_and_admit, unpack_capsule, unpacked_size
 from sparkrun_coldsnap.controller.units import ordered
@@ -47,6 +47,7 @@ from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, NotFound
 from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.launch.remote import UnitHosts
 from sparkrun_coldsnap.progress import QUIET, Progress
+from sparkrun_coldsnap.units.resolved import Resolved
 from sparkrun_coldsnap.weights.weight_paths import WeightChoice
 
 __all__ = [

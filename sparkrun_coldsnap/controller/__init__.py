@@ -7,9 +7,10 @@ written against interfaces: an engine adapter, a snapshot driver, a launcher.
 """
 
 from sparkrun_coldsnap.controller.capture import CaptureOutcome, LiveWorkload, capture
-from sparkrun_coldsnap.controller.common import Resolved, ServingOutcome, require_one_unit, resolve
+from sparkrun_coldsnap.controller.common import ServingOutcome, require_one_unit
 from sparkrun_coldsnap.controller.restore import PreparedRestore, activate_restore, check_admission, prepare_restore
 from sparkrun_coldsnap.controller.vanilla import start_vanilla
+from sparkrun_coldsnap.units.resolved import Resolved, resolve
 
 __all__ = [
     "CaptureOutcome",

@@ -7,12 +7,12 @@ from pathlib import Path
 
 from sparkrun_coldsnap import extensions
 from sparkrun_coldsnap.compat import pinning
-from sparkrun_coldsnap.controller.common import Resolved, resolve
 from sparkrun_coldsnap.documents.request import Workload
 from sparkrun_coldsnap.documents.settings import Settings
 from sparkrun_coldsnap.engines.base import EngineAdapter
 from sparkrun_coldsnap.errors import CaptureError, RequestError
 from sparkrun_coldsnap.host.facts import host_facts
+from sparkrun_coldsnap.units.resolved import Resolved, resolve
 
 
 def admit_snapshot(w: Workload, adapter: EngineAdapter, *, launches: bool = True) -> Path:

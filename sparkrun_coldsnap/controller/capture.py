@@ -16,7 +16,7 @@ from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor
 from sparkrun_coldsnap.compat import pinning
 from sparkrun_coldsnap.compat.fingerprint import Fingerprint
 from sparkrun_coldsnap.controller.admit import admit_driver_here, admit_snapshot
-from sparkrun_coldsnap.controller.common import Attempt, Resolved, finish, require_one_unit, resolve, validate, wait_ready
+from sparkrun_coldsnap.controller.common import Attempt, finish, require_one_unit, validate, wait_ready
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder, Validation
 from sparkrun_coldsnap.documents.request import CaptureRequest, LaunchUnit
@@ -30,6 +30,7 @@ from sparkrun_coldsnap.host.ports import port_holder
 from sparkrun_coldsnap.host.process_tree import tree_pids
 from sparkrun_coldsnap.launch.base import RunningUnit
 from sparkrun_coldsnap.progress import QUIET, Progress
+from sparkrun_coldsnap.units.resolved import Resolved, resolve
 from sparkrun_coldsnap.weights import model_files, native_payload, packed_payload, weight_paths
 
 

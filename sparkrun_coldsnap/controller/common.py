@@ -1,5 +1,5 @@
-"""What every operation of the controller shares: the resolved workload, failure receipts,
-readiness and validation of a running engine."""
+"""What every operation of the controller shares: failure receipts, readiness and validation of
+a running engine."""
 
 from __future__ import annotations
 
@@ -7,36 +7,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from sparkrun_coldsnap import extensions, secrets
+from sparkrun_coldsnap import secrets
 from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder, Validation
 from sparkrun_coldsnap.documents.request import CaptureRequest, RestoreRequest, Workload
-from sparkrun_coldsnap.documents.settings import Settings
-from sparkrun_coldsnap.drivers.base import SnapshotDriver
-from sparkrun_coldsnap.engines.base import Endpoint, EngineAdapter
+from sparkrun_coldsnap.engines.base import Endpoint
 from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, RequestError, describe_cleanup_failure
-from sparkrun_coldsnap.launch.base import Launcher, RunningUnit
-from sparkrun_coldsnap.launch.engine_env import EngineEnv, EngineFacts, command_facts, image_facts
-from sparkrun_coldsnap.launch.units import launcher_for
+from sparkrun_coldsnap.launch.base import RunningUnit
 from sparkrun_coldsnap.progress import Progress
+from sparkrun_coldsnap.units.resolved import Resolved
 
 if TYPE_CHECKING:
-    from sparkrun_coldsnap.compat.fingerprint import Fingerprint
-
-
-@dataclass(frozen=True)
-class Resolved:
-    """A workload's names resolved on this host: its engine adapter, driver, launcher and engine."""
-
-    adapter: EngineAdapter
-    driver: SnapshotDriver
-    launcher: Launcher
-    engine_env: EngineEnv | None
-    facts: EngineFacts | None
-
-    def fingerprint(self, workload: Workload, tool_version: str | None) -> Fingerprint:
-        from sparkrun_coldsnap.compat.admission import fingerprint
-
-        return fingerprint(workload, self.adapter, self.driver, self.facts, tool_version=tool_version, container_runtime=self.launcher.runtime_summary())
+    pass
 
 
 def require_one_unit(workload: Workload, operation: Literal["capture", "restore"]) -> None:
@@ -49,28 +30,6 @@ def require_one_unit(workload: Workload, operation: Literal["capture", "restore"
             "%s the recipe through sparkrun (sparkrun coldsnap capture RECIPE --cluster NAME, then sparkrun run RECIPE), or send each unit's request to its host (--unit)" % (len(units), placed, operation),
             code="request.multi_host",
         )
-
-
-def resolve(workload: Workload, settings: Settings) -> Resolved:
-    reg = extensions.registry()
-    adapter = reg.engine(workload.engine)
-    driver = reg.driver(workload.driver)
-    problem = driver.engine_problem(adapter)
-    if problem:
-        raise RequestError(problem)
-    launcher = launcher_for(workload.launch.executor)
-    engine_env = EngineEnv.named(workload.launch.engine_env) if workload.launch.engine_env else None
-    facts: EngineFacts | None
-    if engine_env is not None:
-        facts = engine_env.facts()
-    elif workload.launch.executor == "local":
-        facts = command_facts(workload.launch.command, {"PATH": settings.environ.get("PATH", ""), **workload.launch.env})
-    elif workload.launch.image:
-        # A container: the image digest pins what is inside; its versions are read there for people.
-        facts = image_facts(workload.launch.image, workload.launch.command)
-    else:
-        facts = None
-    return Resolved(adapter, driver, launcher, engine_env, facts)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from sparkrun_coldsnap.capsule.capsule import Capsule
 from sparkrun_coldsnap.capsule.pack import unpack_layer
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.compat.admission import admission
-from sparkrun_coldsnap.controller.common import Attempt, Resolved, ServingOutcome, finish, require_one_unit, resolve, validate
+from sparkrun_coldsnap.controller.common import Attempt, ServingOutcome, finish, require_one_unit, validate
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder, Weights
 from sparkrun_coldsnap.documents.request import RestoreRequest
@@ -28,6 +28,7 @@ from sparkrun_coldsnap.host.background import Milestone, in_background
 from sparkrun_coldsnap.host.ports import port_holder_settled
 from sparkrun_coldsnap.launch.base import StagedUnit
 from sparkrun_coldsnap.progress import QUIET, Progress
+from sparkrun_coldsnap.units.resolved import Resolved, resolve
 from sparkrun_coldsnap.weights import page_cache, weight_paths, weights_memory
 
 

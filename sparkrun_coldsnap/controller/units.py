@@ -40,7 +40,7 @@ from sparkrun_coldsnap.compat.fingerprint import Fingerprint, compare
 from sparkrun_coldsnap.controller import units_weights
 from sparkrun_coldsnap.controller.admit import admit_snapshot, resolve_across_hosts
 from sparkrun_coldsnap.controller.capture import CaptureOutcome, capsule_config
-from sparkrun_coldsnap.controller.common import Attempt, Resolved, finish, validate
+from sparkrun_coldsnap.controller.common import Attempt, finish, validate
 from sparkrun_coldsnap.controller.cut import UnitOnHost, checkpoint_units, on_every_unit
 from sparkrun_coldsnap.controller.units_agent import AgentCut, AgentDevices
 from sparkrun_coldsnap.documents import settings as settings_mod
@@ -54,6 +54,7 @@ from sparkrun_coldsnap.host import iouring
 from sparkrun_coldsnap.host.file_drift import RecordedFile
 from sparkrun_coldsnap.launch.remote import UnitHosts
 from sparkrun_coldsnap.progress import QUIET, Progress
+from sparkrun_coldsnap.units.resolved import Resolved
 from sparkrun_coldsnap.units.steps import CaptureFactsStep, FilesStep, InboxStep, IoUringBackStep, IoUringOffStep, PackStep, RemoveStep
 from sparkrun_coldsnap.weights import model_files, weight_paths
 

@@ -15,7 +15,7 @@ from sparkrun_coldsnap.capsule.capsule import Capsule
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.controller import units_weights
 from sparkrun_coldsnap.controller.admit import resolve_across_hosts
-from sparkrun_coldsnap.controller.common import Attempt, Resolved, ServingOutcome, finish, validate
+from sparkrun_coldsnap.controller.common import Attempt, ServingOutcome, finish, validate
 from sparkrun_coldsnap.controller.cut import on_every_unit, restore_units
 from sparkrun_coldsnap.controller.units import ordered, rank0_endpoint
 from sparkrun_coldsnap.controller.units_agent import AgentRestore
@@ -26,6 +26,7 @@ from sparkrun_coldsnap.documents.settings import Settings
 from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, RestoreError, ValidationError
 from sparkrun_coldsnap.launch.remote import UnitHosts
 from sparkrun_coldsnap.progress import QUIET, Progress
+from sparkrun_coldsnap.units.resolved import Resolved
 from sparkrun_coldsnap.units.steps import AdmitStep, InboxStep, LayerRef, RemoveStep, StageStep
 from sparkrun_coldsnap.weights.weight_paths import WeightChoice
 

@@ -14,13 +14,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from sparkrun_coldsnap.capsule.config import CapsuleConfig, NativePayload
-from sparkrun_coldsnap.controller.common import Resolved
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder, Weights
 from sparkrun_coldsnap.documents.request import CaptureRequest, LaunchUnit, RestoreRequest
 from sparkrun_coldsnap.engines.base import Endpoint
 from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, CompatibilityError, EngineError
 from sparkrun_coldsnap.launch.remote import UnitHosts
 from sparkrun_coldsnap.progress import Progress
+from sparkrun_coldsnap.units.resolved import Resolved
 from sparkrun_coldsnap.units.steps import AdmitAnswer, NativePartStep, NativePlaceStep, NativeStagingStep, RemoveStep
 from sparkrun_coldsnap.weights import native_parts, weight_paths
 

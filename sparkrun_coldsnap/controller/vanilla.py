@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from sparkrun_coldsnap.controller.common import Attempt, ServingOutcome, finish, require_one_unit, resolve, validate, wait_ready
+from sparkrun_coldsnap.controller.common import Attempt, ServingOutcome, finish, require_one_unit, validate, wait_ready
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder
 from sparkrun_coldsnap.documents.request import RestoreRequest
@@ -14,6 +14,7 @@ from sparkrun_coldsnap.documents.settings import Settings
 from sparkrun_coldsnap.errors import RestoreError, ValidationError
 from sparkrun_coldsnap.host.ports import port_holder
 from sparkrun_coldsnap.progress import QUIET, Progress
+from sparkrun_coldsnap.units.resolved import resolve
 
 
 def start_vanilla(

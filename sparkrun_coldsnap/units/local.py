@@ -99,9 +99,9 @@ class LocalHost:
     def capture_facts(self, step: s.CaptureFactsStep) -> s.CaptureFactsAnswer:
         """Whether the request's driver can capture on this host, and this host's fingerprint of
         the workload (what a capsule records and every host's admission compares with its own)."""
-        from sparkrun_coldsnap.controller.common import resolve
         from sparkrun_coldsnap.documents import settings as settings_mod
         from sparkrun_coldsnap.host.facts import host_facts
+        from sparkrun_coldsnap.units.resolved import resolve
 
         r = resolve(step.request.workload, settings_mod.current())
         support = r.driver.support(host_facts())
@@ -167,10 +167,10 @@ class LocalHost:
         shared files, its files, the model files here (what the rank running now holds is freed
         by its eviction, so it does not count)."""
         from sparkrun_coldsnap.compat.admission import admission
-        from sparkrun_coldsnap.controller.common import resolve
         from sparkrun_coldsnap.criu import tree as criu_tree
         from sparkrun_coldsnap.documents import settings as settings_mod
         from sparkrun_coldsnap.host.process_tree import tree_pids
+        from sparkrun_coldsnap.units.resolved import resolve
         from sparkrun_coldsnap.weights import native_parts
 
         cfg, req = step.config, step.request
