@@ -1,5 +1,6 @@
-"""The package's shape: no import cycles, concrete drivers and launch units kept behind interfaces,
-and the environment read in one place."""
+"""The package's shape: folders that are layers (an allowlist of which folder imports which, imports
+inside functions counted), no import cycles between modules, one door into the controller, no
+module reaching another's private names, and the environment read in one place."""
 
 from __future__ import annotations
 
@@ -89,6 +90,95 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return out
+
+
+def folder(module: str) -> str:
+    """The layer a module belongs to: its folder under the package, or the module itself at the top."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def folder_edges(g: dict[str, set[str]]) -> dict[tuple[str, str], list[str]]:
+    """Every import from one folder into another, with the modules that make it."""
+    out: dict[tuple[str, str], list[str]] = {}
+    for name, deps in g.items():
+        for dep in deps:
+            if folder(name) != folder(dep):
+                out.setdefault((folder(name), folder(dep)), []).append("%s -> %s" % (name, dep))
+    return out
+
+
+#: The layers, top to bottom: a folder imports the ones below it. Entries (the CLI, sparkrun's
+#: integration), then the operations (lifecycle, benchmarks, the API), the stories (controller), the
+#: units they run on, the launchers, drivers and the tools under them, down to documents and the
+#: single-module foundations.
+LAYERS = (
+    "__main__", "cli", "doctor", "integration", "lifecycle", "bench_units", "bench", "capabilities", "api", "controller", "units", "setup",
+    "launch", "compat", "weights", "capsule", "drivers", "criu", "cuda", "engines", "host", "documents",
+    "extensions", "hookspecs", "secrets", "digests", "errors", "progress", "__init__",
+)  # fmt: skip
+
+#: Which folders each folder may import: every import across folders must be here, and every entry
+#: must still be used (an allowance nothing needs fails too, so the list cannot go stale).
+ALLOWED = {
+    "__main__": {"cli"},
+    "cli": {"api", "bench", "bench_units", "capabilities", "capsule", "criu", "digests", "doctor", "documents", "errors", "host", "integration", "launch", "lifecycle", "progress", "setup", "weights"},
+    "doctor": {"__init__", "capsule", "criu", "extensions", "host", "integration", "launch", "setup"},
+    "integration": {"api", "capsule", "cli", "documents", "errors", "extensions", "host", "launch", "lifecycle", "progress", "units"},
+    "lifecycle": {"api", "bench", "capsule", "documents", "engines", "errors", "extensions", "host", "integration", "launch", "progress", "weights"},
+    "bench_units": {"api", "bench", "capsule", "documents", "errors", "launch", "progress", "units"},
+    "bench": {"__init__", "api", "capsule", "documents", "errors", "host", "progress", "weights"},
+    "capabilities": {"__init__", "capsule", "documents", "errors", "extensions", "host", "launch"},
+    "api": {"capsule", "controller", "documents", "errors", "host", "launch", "progress", "units", "weights"},
+    "controller": {"capsule", "compat", "documents", "drivers", "engines", "errors", "extensions", "host", "launch", "progress", "secrets", "units", "weights"},
+    "units": {"capsule", "compat", "criu", "digests", "documents", "drivers", "engines", "errors", "extensions", "host", "launch", "weights"},
+    "setup": {"criu", "documents", "errors", "host", "launch"},
+    "launch": {"criu", "cuda", "digests", "documents", "drivers", "errors", "host"},
+    "compat": {"documents", "engines", "host", "weights"},
+    "weights": {"capsule", "digests", "documents", "drivers", "engines", "errors", "host", "progress"},
+    "capsule": {"__init__", "compat", "digests", "documents", "drivers", "errors", "host", "progress", "weights"},
+    "drivers": {"criu", "cuda", "documents", "errors", "hookspecs", "host"},
+    "criu": {"documents", "drivers", "errors", "host"},
+    "cuda": {"documents", "engines", "errors", "host"},
+    "engines": {"documents", "errors", "hookspecs", "weights"},
+    "host": {"digests", "documents", "errors", "secrets", "weights"},
+    "documents": {"__init__", "capabilities", "capsule", "digests", "errors", "host", "secrets"},
+    "extensions": {"errors", "hookspecs"},
+    "secrets": {"digests"},
+}
+
+#: The imports that still go up a layer, each with why; the set only shrinks.
+BACK_EDGES = {
+    ("integration", "cli"): "sparkrun's plugin entry registers the click group of the verbs",
+    ("lifecycle", "integration"): "the lifecycle reads sparkrun's workload records and placement",
+    ("capsule", "compat"): "the capsule config records the fingerprint, which compat declares beside its comparison",
+    ("capsule", "weights"): "a transfer carries the weights artifact and the native payload beside the capsule",
+    ("criu", "drivers"): "a dump writes the unit's record, UnitImage, declared with the driver protocol",
+    ("engines", "weights"): "the vLLM adapter points the engine at the engine-side loader's folder",
+    ("host", "weights"): "the bandwidth probe drops the page cache as the weights' preparation does",
+    ("documents", "capabilities"): "the schema writer renders the capabilities document",
+    ("documents", "capsule"): "the schema writer renders the capsule config",
+    ("documents", "host"): "receipts are written atomically",
+}
+
+
+def test_every_import_across_folders_is_allowed():
+    strays = {edge: mods for edge, mods in folder_edges(graph()).items() if edge[1] not in ALLOWED.get(edge[0], set())}
+    assert strays == {}, "imports across folders not in ALLOWED (import a lower layer, or move the code): %s" % strays
+
+
+def test_every_allowance_is_used():
+    used = set(folder_edges(graph()))
+    unused = sorted((a, b) for a, bs in ALLOWED.items() for b in bs if (a, b) not in used)
+    assert unused == [], "ALLOWED names imports nothing makes any more: remove them %s" % unused
+
+
+def test_folders_import_downward_but_for_the_named_back_edges():
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    assert set(ALLOWED) | {b for bs in ALLOWED.values() for b in bs} <= set(rank), "a folder missing from LAYERS"
+    assert {folder(m) for m in modules()} <= set(rank), "a folder missing from LAYERS"
+    upward = {(a, b) for a, bs in ALLOWED.items() for b in bs if rank[b] < rank[a]}
+    assert upward == set(BACK_EDGES), "imports going up a layer: %s; named but going down or gone: %s" % (sorted(upward - set(BACK_EDGES)), sorted(set(BACK_EDGES) - upward))
 
 
 def test_no_import_cycles():
