@@ -14,6 +14,7 @@ import pytest
 from sparkrun_coldsnap.controller import units_weights
 from sparkrun_coldsnap.documents.request import CapsuleName, LaunchUnit, RestoreRequest, ValidationSpec
 from sparkrun_coldsnap.errors import CompatibilityError, EngineError
+from sparkrun_coldsnap.units.steps import AdmitAnswer
 from sparkrun_coldsnap.weights import native_parts, native_payload
 
 TOKEN = "0123abcd0123abcd"
@@ -97,8 +98,9 @@ def request(weights: str, tmp_path: Path) -> RestoreRequest:
     return RestoreRequest(workload=w, validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="x"), workload_name="w")
 
 
-def answer(path: str, native_dir: str | None = None, note: str | None = None) -> dict:
-    return {"problems": [], "weights": {"path": path, "native_dir": native_dir, "note": note}}
+def answer(path: str, native_dir: str | None = None, note: str | None = None) -> AdmitAnswer:
+    """What a host's admission answers over the wire, as the coordinator reads it."""
+    return AdmitAnswer.model_validate({"problems": [], "weights": {"path": path, "native_dir": native_dir, "note": note}})
 
 
 def test_native_only_when_every_host_holds_its_part_at_one_path(tmp_path):
@@ -112,4 +114,4 @@ def test_native_only_when_every_host_holds_its_part_at_one_path(tmp_path):
     assert chosen is not None and chosen.path == "recovery" and "different paths (/h1/native/x, /h2/native/x)" in (chosen.note or "")
     with pytest.raises(CompatibilityError, match="weights: native: the hosts hold the native payload under different paths"):
         units_weights.choose(request("native", tmp_path), UNITS, apart)
-    assert units_weights.choose(request("auto", tmp_path), UNITS, {"rank-0": {"problems": []}, "rank-1": {"problems": []}}) is None  # in the images
+    assert units_weights.choose(request("auto", tmp_path), UNITS, {"rank-0": AdmitAnswer(problems=()), "rank-1": AdmitAnswer(problems=())}) is None  # in the images
