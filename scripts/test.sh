@@ -32,4 +32,6 @@ export SPARKRUN_NO_TELEMETRY=1 HF_HUB_OFFLINE=1
 echo "==> ruff and mypy"
 .venv/bin/ruff check sparkrun_coldsnap tests benchmarks
 .venv/bin/mypy
-exec .venv/bin/pytest -q "$@"
+# The 30 slowest tests are printed at the end; `bash scripts/test.sh -m fast` runs the fast tier
+# only (tiers: tests/tier_fixtures.py).
+exec .venv/bin/pytest -q --durations=30 "$@"

@@ -124,6 +124,8 @@ def oci_registry() -> str:
     """The real OCI registry's program (tests/registry_fixtures.py starts it)."""
     from registry_fixtures import BINARY
 
+    if not Path(BINARY).is_file():
+        pytest.fail("no OCI registry at %s: run `bash scripts/test.sh` (it installs Debian's docker-registry)" % BINARY)
     return BINARY
 
 

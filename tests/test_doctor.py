@@ -111,7 +111,7 @@ def test_doctor_says_which_private_criu_the_wrapper_runs_and_whose(tmp_path, pat
     assert checks["criu (distribution)"].detail.startswith("no criu package installed")
 
 
-def test_capabilities_has_a_row_per_launch_path_and_no_empty_weights_value(criu, tmp_path):
+def test_capabilities_has_a_row_per_launch_path_and_no_empty_weights_value(docker_daemon, criu, tmp_path):
     result = CliRunner().invoke(coldsnap_group, ["capabilities"], catch_exceptions=False)
     assert result.exit_code == 0
     lines = result.output.splitlines()

@@ -303,7 +303,7 @@ def test_a_recipe_changed_since_capture_is_refused_at_admission_and_a_place_only
     nothing_staged(store)
 
 
-def test_a_credential_in_the_engines_environment_reaches_no_config_receipt_or_registry_document(criu, tmp_path):
+def test_a_credential_in_the_engines_environment_reaches_no_config_receipt_or_registry_document(oci_registry, criu, tmp_path):
     """A hub token in the workload's environment: the engine gets it, but the capsule's config
     and manifest, the receipt and what the registry holds besides the process images carry its
     sha256 only. (The images are the engine's memory, its environment included.)"""
