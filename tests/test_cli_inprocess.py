@@ -117,9 +117,9 @@ def test_a_capture_over_an_existing_tag_says_it_replaces_it(tmp_path, capsys):
 def restore_document(**changes) -> dict:
     from helpers import synthetic_workload
 
-    from sparkrun_coldsnap.documents.request import CapsuleName, RestoreRequest, ValidationSpec
+    from sparkrun_coldsnap.documents.request import CapsuleRef, RestoreRequest, ValidationSpec
 
-    req = RestoreRequest(workload=synthetic_workload(), validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="absent"), on_missing="fail", workload_name="w")
+    req = RestoreRequest(workload=synthetic_workload(), validation=ValidationSpec(prompt="hi"), capsule=CapsuleRef(name="absent"), on_missing="fail", workload_name="w")
     doc = req.model_copy(update={"request_sha256": req.digest()}).model_dump(mode="json")
     doc.update(changes)
     return doc

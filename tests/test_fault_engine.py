@@ -34,7 +34,7 @@ from sparkrun_coldsnap.capsule.registry import RegistryClient, Transport
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.capsule.transfer import publish
 from sparkrun_coldsnap.documents.request import (
-    CapsuleName,
+    CapsuleRef,
     CaptureRequest,
     Launch,
     LaunchUnit,
@@ -65,12 +65,12 @@ def workload(port: int, startup: float = 1.0, snap: Path | None = None) -> Workl
 
 
 def capture_request(port: int, name: str = "fault", startup: float = 1.0, snap: Path | None = None) -> CaptureRequest:
-    return CaptureRequest(workload=workload(port, startup, snap), validation=ValidationSpec(prompt="hello", max_tokens=8), capsule=CapsuleName(name=name), ready_timeout_seconds=60)
+    return CaptureRequest(workload=workload(port, startup, snap), validation=ValidationSpec(prompt="hello", max_tokens=8), capsule=CapsuleRef(name=name), ready_timeout_seconds=60)
 
 
 def restore_request(port: int, name: str = "fault", expected: str | None = None, snap: Path | None = None) -> RestoreRequest:
     return RestoreRequest(
-        workload=workload(port, snap=snap), validation=ValidationSpec(prompt="hello", max_tokens=8, expected_reply=expected), capsule=CapsuleName(name=name),
+        workload=workload(port, snap=snap), validation=ValidationSpec(prompt="hello", max_tokens=8, expected_reply=expected), capsule=CapsuleRef(name=name),
         on_missing="fail", on_incompatible="fail", workload_name="coldsnap-fault-test",
     )  # fmt: skip
 

@@ -24,7 +24,7 @@ from sparkrun.runtimes.vllm_distributed import VllmDistributedRuntime
 from sparkrun.runtimes.vllm_ray import VllmRayRuntime
 
 from sparkrun_coldsnap import api
-from sparkrun_coldsnap.documents.request import CapsuleName, CaptureRequest, Launch, ModelRef, RestoreRequest, Topology, ValidationSpec, Workload
+from sparkrun_coldsnap.documents.request import CapsuleRef, CaptureRequest, Launch, ModelRef, RestoreRequest, Topology, ValidationSpec, Workload
 from sparkrun_coldsnap.errors import RequestError
 from sparkrun_coldsnap.integration import cpu_platform
 from sparkrun_coldsnap.integration.launch_units import env_delta, node_commands, units_of
@@ -121,7 +121,7 @@ def two_host_workload(tmp_path) -> Workload:
 
 
 def test_a_request_of_units_validates_against_its_schema_and_keeps_unit_secrets_out(tmp_path):
-    req = CaptureRequest(workload=two_host_workload(tmp_path), validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="two-hosts"))
+    req = CaptureRequest(workload=two_host_workload(tmp_path), validation=ValidationSpec(prompt="hi"), capsule=CapsuleRef(name="two-hosts"))
     doc = req.model_dump(mode="json")
     jsonschema.validate(doc, json.loads((ROOT / "docs" / "schemas" / "capture-request.schema.json").read_text()))
     assert CaptureRequest.model_validate(doc) == req
@@ -132,13 +132,13 @@ def test_a_request_of_units_validates_against_its_schema_and_keeps_unit_secrets_
 
 def test_a_request_document_of_several_units_is_refused_in_one_line_naming_the_way_through_sparkrun(tmp_path):
     workload = two_host_workload(tmp_path)
-    capture = CaptureRequest(workload=workload, validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="two-hosts"))
+    capture = CaptureRequest(workload=workload, validation=ValidationSpec(prompt="hi"), capsule=CapsuleRef(name="two-hosts"))
     with pytest.raises(RequestError) as err:
         api.capture(capture, store=tmp_path / "store")
     assert err.value.code == "request.multi_host"
     assert err.value.message.startswith("a request document of several launch units cannot be run as it is: the recipe places 2 (rank-0 on 198.18.0.1, rank-1 on 198.18.0.2)")
     assert "capture the recipe through sparkrun (sparkrun coldsnap capture RECIPE --cluster NAME" in err.value.message
-    restore = RestoreRequest(workload=workload, validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="two-hosts"), workload_name="w")
+    restore = RestoreRequest(workload=workload, validation=ValidationSpec(prompt="hi"), capsule=CapsuleRef(name="two-hosts"), workload_name="w")
     with pytest.raises(RequestError, match=r"^a request document of several launch units cannot be run as it is: the recipe places 2 ") as err:
         api.prepare(restore, store=tmp_path / "store")
     assert "\n" not in err.value.message
@@ -185,7 +185,7 @@ def test_a_placement_other_than_the_captured_one_is_named_unit_by_unit(tmp_path)
     captured = two_host_workload(tmp_path)
     a, b = captured.topology.units
     swapped = captured.model_copy(update={"topology": captured.topology.model_copy(update={"units": (a.model_copy(update={"host": b.host}), b.model_copy(update={"host": a.host}))})})
-    req = RestoreRequest(workload=swapped, validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="two-hosts"), workload_name="w")
+    req = RestoreRequest(workload=swapped, validation=ValidationSpec(prompt="hi"), capsule=CapsuleRef(name="two-hosts"), workload_name="w")
     assert topology_problems(_capsule_of(captured), req) == [
         "unit rank-0 ran on host %s at capture, the run places it on host %s" % (a.host, b.host),
         "unit rank-1 ran on host %s at capture, the run places it on host %s" % (b.host, a.host),
@@ -195,9 +195,9 @@ def test_a_placement_other_than_the_captured_one_is_named_unit_by_unit(tmp_path)
     assert err.value.code == "compatibility.topology" and "\n" not in err.value.message
     assert "run on the captured hosts in rank order (-H %s,%s)" % (a.host, b.host) in err.value.message
     solo = captured.model_copy(update={"topology": captured.topology.model_copy(update={"units": (a.model_copy(update={"name": "solo"}),)})})
-    one = RestoreRequest(workload=solo, validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="two-hosts"), workload_name="w")
+    one = RestoreRequest(workload=solo, validation=ValidationSpec(prompt="hi"), capsule=CapsuleRef(name="two-hosts"), workload_name="w")
     assert topology_problems(_capsule_of(captured), one) == ["the capsule has 2 units (rank-0 on %s, rank-1 on %s), the run places 1 (solo on %s)" % (a.host, b.host, a.host)]
-    same = RestoreRequest(workload=captured, validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="two-hosts"), workload_name="w")
+    same = RestoreRequest(workload=captured, validation=ValidationSpec(prompt="hi"), capsule=CapsuleRef(name="two-hosts"), workload_name="w")
     assert topology_problems(_capsule_of(captured), same) == []
 
 

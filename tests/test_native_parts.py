@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sparkrun_coldsnap.controller import units_weights
-from sparkrun_coldsnap.documents.request import CapsuleName, LaunchUnit, RestoreRequest, ValidationSpec
+from sparkrun_coldsnap.documents.request import CapsuleRef, LaunchUnit, RestoreRequest, ValidationSpec
 from sparkrun_coldsnap.errors import CompatibilityError, EngineError
 from sparkrun_coldsnap.units.steps import AdmitAnswer
 from sparkrun_coldsnap.weights import native_parts, native_payload
@@ -95,7 +95,7 @@ def request(weights: str, tmp_path: Path) -> RestoreRequest:
     from test_launch_units import two_host_workload
 
     w = two_host_workload(tmp_path).model_copy(update={"weights": weights})
-    return RestoreRequest(workload=w, validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="x"), workload_name="w")
+    return RestoreRequest(workload=w, validation=ValidationSpec(prompt="hi"), capsule=CapsuleRef(name="x"), workload_name="w")
 
 
 def answer(path: str, native_dir: str | None = None, note: str | None = None) -> AdmitAnswer:

@@ -16,7 +16,7 @@ from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.compat import pinning
 from sparkrun_coldsnap.compat.admission import admission
 from sparkrun_coldsnap.compat.fingerprint import Fingerprint, TopologyFacts
-from sparkrun_coldsnap.documents.request import CapsuleName, CaptureRequest, RestoreRequest, ValidationSpec
+from sparkrun_coldsnap.documents.request import CapsuleRef, CaptureRequest, RestoreRequest, ValidationSpec
 from sparkrun_coldsnap.drivers.base import UnitImage
 from sparkrun_coldsnap.drivers.cpu import CpuDriver
 from sparkrun_coldsnap.engines.vllm import VllmAdapter
@@ -71,7 +71,7 @@ def test_capture_refuses_an_unpinned_command_before_starting_anything(criu, tmp_
     req = CaptureRequest(
         workload=workload("python -m vllm.entrypoints.openai.api_server --model test/model --port 8000", pinned),
         validation=ValidationSpec(prompt="hi"),
-        capsule=CapsuleName(name="pin"),
+        capsule=CapsuleRef(name="pin"),
         ready_timeout_seconds=5,
     )
     store = CapsuleStore(tmp_path / "store")
@@ -112,7 +112,7 @@ def test_a_restore_refuses_a_pinned_snapshot_whose_files_changed_since_capture(t
     cfg = in_image_config(pinned)
     req = RestoreRequest(
         workload=cfg.workload.model_copy(update={"model": cfg.workload.model.model_copy(update={"path": str(pinned)})}),
-        validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="pin"), workload_name="w",
+        validation=ValidationSpec(prompt="hi"), capsule=CapsuleRef(name="pin"), workload_name="w",
     )  # fmt: skip
     problems, _ = admission(cfg, req, cfg.fingerprint, CpuDriver(), VllmAdapter())
     assert problems == []

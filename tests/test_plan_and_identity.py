@@ -6,13 +6,13 @@ from helpers import synthetic_workload
 
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.compat.admission import at_port, identity_differences
-from sparkrun_coldsnap.documents.request import CapsuleName, RestoreRequest, ValidationSpec
+from sparkrun_coldsnap.documents.request import CapsuleRef, RestoreRequest, ValidationSpec
 from sparkrun_coldsnap.errors import NotFoundError
 from sparkrun_coldsnap.integration.strategy import describe_plan
 
 
 def request(**changes) -> RestoreRequest:
-    fields = dict(workload=synthetic_workload(), validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="absent"), workload_name="w")
+    fields = dict(workload=synthetic_workload(), validation=ValidationSpec(prompt="hi"), capsule=CapsuleRef(name="absent"), workload_name="w")
     fields.update(changes)
     return RestoreRequest(**fields)
 

@@ -19,7 +19,7 @@ from sparkrun_coldsnap.capsule.reference import parse
 from sparkrun_coldsnap.capsule.registry import RegistryClient, Transport
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.capsule.transfer import publish, pull, pull_native, pull_weights, remote_capsules
-from sparkrun_coldsnap.documents.request import CapsuleName, ModelRef, RestoreRequest, ValidationSpec
+from sparkrun_coldsnap.documents.request import CapsuleRef, ModelRef, RestoreRequest, ValidationSpec
 from sparkrun_coldsnap.errors import IntegrityError, NotFoundError, RegistryError, RequestError, StoreError
 from sparkrun_coldsnap.weights import native_payload
 
@@ -332,4 +332,4 @@ def restore_request(name: str, model_dir: Path) -> RestoreRequest:
     """The request sparkrun's strategy builds for the synthetic capsule *name*, its model in *model_dir*."""
     w = synthetic_workload(name)
     w = w.model_copy(update={"model": ModelRef(id=w.model.id, revision=w.model.revision, path=str(model_dir))})
-    return RestoreRequest(workload=w, validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name=name), workload_name="sparkrun_%s_solo" % name)
+    return RestoreRequest(workload=w, validation=ValidationSpec(prompt="hi"), capsule=CapsuleRef(name=name), workload_name="sparkrun_%s_solo" % name)

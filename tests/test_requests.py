@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from sparkrun_coldsnap.documents.recipe_block import parse_block
-from sparkrun_coldsnap.documents.request import CapsuleName, CaptureRequest, Launch, LaunchUnit, ModelRef, Topology, ValidationSpec, Workload
+from sparkrun_coldsnap.documents.request import CapsuleRef, CaptureRequest, Launch, LaunchUnit, ModelRef, Topology, ValidationSpec, Workload
 from sparkrun_coldsnap.errors import RequestError
 
 REV = "973ff5dd93da77ddc2a1bffa8e29d4d207f245dd"
@@ -25,7 +25,7 @@ def workload(**launch) -> Workload:
 
 
 def request(**launch) -> CaptureRequest:
-    return CaptureRequest(workload=workload(**launch), validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="tiny"))
+    return CaptureRequest(workload=workload(**launch), validation=ValidationSpec(prompt="hi"), capsule=CapsuleRef(name="tiny"))
 
 
 def test_digest_is_canonical_and_changes_with_content():
@@ -93,7 +93,7 @@ def test_block_defaults():
 def test_a_capsule_reference_is_one_value_parsed_and_written_in_one_place():
     from sparkrun_coldsnap.documents.capsule_ref import CapsuleRef
 
-    assert CapsuleRef.parse("tiny") == CapsuleName(name="tiny") == CapsuleRef(name="tiny", tag="latest")
+    assert CapsuleRef.parse("tiny") == CapsuleRef(name="tiny") == CapsuleRef(name="tiny", tag="latest")
     ref = CapsuleRef.parse("tiny:hibernated-w_1")
     assert (ref.name, ref.tag, ref.ref, str(ref)) == ("tiny", "hibernated-w_1", "tiny:hibernated-w_1", "tiny:hibernated-w_1")
     assert ref.with_tag("v2").ref == "tiny:v2"
@@ -104,9 +104,9 @@ def test_the_recipe_block_and_a_request_refuse_a_capsule_name_with_the_same_rule
     with pytest.raises(RequestError) as block:
         parse_block({"capsule": {"name": "../../x"}}, source="r.yaml")
     with pytest.raises(ValidationError) as doc:
-        CapsuleName(name="../../x")
+        CapsuleRef(name="../../x")
     rule = "capsule name '../../x' must be lower-case letters, digits and . _ - separators"
     assert rule in block.value.message and rule in str(doc.value)
     with pytest.raises(ValidationError, match="tag 'a b' must match"):
-        CapsuleName(name="ok").with_tag("a b")
+        CapsuleRef(name="ok").with_tag("a b")
     assert parse_block({"capsule": {"tag": "v1"}}).capsule.ref("recipe-name").ref == "recipe-name:v1"

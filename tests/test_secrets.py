@@ -13,7 +13,7 @@ from sparkrun_coldsnap import api
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.controller.common import Attempt
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder
-from sparkrun_coldsnap.documents.request import CapsuleName, CaptureRequest, ValidationSpec
+from sparkrun_coldsnap.documents.request import CapsuleRef, CaptureRequest, ValidationSpec
 from sparkrun_coldsnap.errors import ColdsnapError, EngineError, ToolError
 from sparkrun_coldsnap.host.runner import run
 
@@ -55,7 +55,7 @@ def test_an_error_quoting_a_secret_is_scrubbed_in_message_and_receipt():
 
 def test_a_failed_capture_receipt_holds_no_secret(criu, tmp_path):
     w = secret_workload()
-    req = CaptureRequest(workload=w, validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="s"), ready_timeout_seconds=5)
+    req = CaptureRequest(workload=w, validation=ValidationSpec(prompt="hi"), capsule=CapsuleRef(name="s"), ready_timeout_seconds=5)
     with pytest.raises(ColdsnapError) as caught:
         api.capture(req, store=CapsuleStore(tmp_path / "store"))  # refused: no --revision (nothing starts)
     assert caught.value.receipt is not None

@@ -12,14 +12,14 @@ from helpers import make_capsule, synthetic_workload
 from sparkrun_coldsnap import api
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder, write_receipt
-from sparkrun_coldsnap.documents.request import CapsuleName, RestoreRequest, ValidationSpec
+from sparkrun_coldsnap.documents.request import CapsuleRef, RestoreRequest, ValidationSpec
 from sparkrun_coldsnap.errors import UntrustedStoreError
 
 NOBODY = 65534
 
 
 def request() -> RestoreRequest:
-    return RestoreRequest(workload=synthetic_workload(), validation=ValidationSpec(prompt="hi"), capsule=CapsuleName(name="synthetic"), on_missing="fail", workload_name="w")
+    return RestoreRequest(workload=synthetic_workload(), validation=ValidationSpec(prompt="hi"), capsule=CapsuleRef(name="synthetic"), on_missing="fail", workload_name="w")
 
 
 @pytest.mark.parametrize(

@@ -103,7 +103,7 @@ def requests_for(args, driver: str, weights: str = "auto") -> tuple[rq.CaptureRe
     info = model_info(args.work)
     w = workload(info, driver, args.engine_site, args.extra_args, args.engine_python, weights, args.engine, args.tp)
     v = rq.ValidationSpec(prompt=PROMPT, max_tokens=16, timeout_seconds=300)
-    name = rq.CapsuleName(name="qual-%s-%s%s" % (args.engine, driver, "-tp%d" % args.tp if args.tp > 1 else ""))
+    name = rq.CapsuleRef(name="qual-%s-%s%s" % (args.engine, driver, "-tp%d" % args.tp if args.tp > 1 else ""))
     cap = rq.CaptureRequest(workload=w, validation=v, capsule=name, ready_timeout_seconds=1200)
     res = rq.RestoreRequest(workload=w, validation=v, capsule=name, on_missing="fail", workload_name="qual", ready_timeout_seconds=1200)
     return cap, res

@@ -125,10 +125,6 @@ class ValidationSpec(Strict):
     timeout_seconds: float = Field(120.0, gt=0)
 
 
-#: the capsule a request names: the one identity type (the name requests have always used for it)
-CapsuleName = CapsuleRef
-
-
 class _WorkloadRequest(Strict):
     """What a capture and a restore both name: the workload, how to validate it, which capsule."""
 

@@ -22,7 +22,7 @@ from sparkrun_coldsnap import extensions
 from sparkrun_coldsnap.capsule.store import CapsuleStore, choose_store
 from sparkrun_coldsnap.documents.recipe_block import ColdsnapBlock
 from sparkrun_coldsnap.documents.request import (
-    CapsuleName,
+    CapsuleRef,
     CaptureRequest,
     Launch,
     ModelRef,
@@ -208,13 +208,13 @@ def workload_labels(actx: Any) -> dict[str, str]:
     return {str(k): str(v) for k, v in labels.items()}
 
 
-def capsule_name(actx: Any, block: ColdsnapBlock) -> CapsuleName:
+def capsule_name(actx: Any, block: ColdsnapBlock) -> CapsuleRef:
     return capsule_name_of(actx.execution.plan.recipe, block)
 
 
-def capsule_name_of(recipe: Any, block: ColdsnapBlock) -> CapsuleName:
+def capsule_name_of(recipe: Any, block: ColdsnapBlock) -> CapsuleRef:
     name = block.capsule.name or re.sub(r"[^a-z0-9]+", "-", Path(source_of(recipe)).stem.lower()).strip("-") or "capsule"
-    return CapsuleName(name=name, tag=block.capsule.tag)
+    return CapsuleRef(name=name, tag=block.capsule.tag)
 
 
 def validation_of(block: ColdsnapBlock) -> ValidationSpec:
@@ -240,7 +240,7 @@ class RecipeRun:
     recipe once: the block, the capsule it names, the store that keeps it."""
 
     block: ColdsnapBlock
-    capsule: CapsuleName
+    capsule: CapsuleRef
     store: CapsuleStore
 
 

@@ -86,7 +86,7 @@ class RemoteCriu:
 
 
 class CriuCut:
-    """A coordinated checkpoint's steps (``controller/coordinated_checkpoint.py``) done with
+    """A coordinated checkpoint's steps (``controller/cut.py``) done with
     CRIU run directly on each host: trees stopped and continued by process group."""
 
     def __init__(self, criu: RemoteCriu, *, tcp: bool = True) -> None:

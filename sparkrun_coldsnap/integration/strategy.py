@@ -22,7 +22,7 @@ from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import Receipt, save_failure_receipt, save_receipt
 from sparkrun_coldsnap.documents.recipe_block import ColdsnapBlock
-from sparkrun_coldsnap.documents.request import CapsuleName, RestoreRequest
+from sparkrun_coldsnap.documents.request import CapsuleRef, RestoreRequest
 from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, NotFoundError
 from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.integration.placement import (
@@ -328,7 +328,7 @@ def pull_capsule(block: ColdsnapBlock, req: RestoreRequest, store: CapsuleStore)
     fetch_capsule(block, req.capsule, store, Path(model_path) if model_path else None)
 
 
-def fetch_capsule(block: ColdsnapBlock, capsule: CapsuleName, store: CapsuleStore, model_dir: Path | None) -> None:
+def fetch_capsule(block: ColdsnapBlock, capsule: CapsuleRef, store: CapsuleStore, model_dir: Path | None) -> None:
     """Pull *capsule* from the recipe's repository into *store*, with its model files into *model_dir*
     when the capsule needs them outside its images or this host lacks them (sparkrun's own model
     check wants them either way), and its native weight payload when the recipe may use it."""
