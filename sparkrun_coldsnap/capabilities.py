@@ -9,7 +9,7 @@ from pydantic import Field
 
 from sparkrun_coldsnap import __version__, extensions
 from sparkrun_coldsnap.capsule import media
-from sparkrun_coldsnap.capsule.config import CAPSULE_FORMAT
+from sparkrun_coldsnap.documents.capsule_config import CAPSULE_FORMAT
 from sparkrun_coldsnap.documents.receipts import RECEIPT_FORMAT
 from sparkrun_coldsnap.documents.request import REQUEST_FORMAT
 from sparkrun_coldsnap.documents.strict import Strict

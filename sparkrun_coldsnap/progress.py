@@ -14,6 +14,8 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, SpinnerColumn, TextColumn, TimeElapsedColumn, TransferSpeedColumn
 from rich.progress import Progress as RichProgress
 
+#: one line of progress a tool reports as it goes (the drivers and CRIU take one)
+Report = Callable[[str], None]
 
 def _ignore(seconds: float, detail: str = "") -> None:
     """The quiet progress callback."""

@@ -11,12 +11,12 @@ import os
 from pathlib import Path
 
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
-from sparkrun_coldsnap.capsule.config import CapsuleConfig, CapturedValidation, EngineRecord, NativePayload, WeightsRecord
 from sparkrun_coldsnap.capsule.pack import pack_unit
 from sparkrun_coldsnap.capsule.store import CapsuleStore
-from sparkrun_coldsnap.compat.fingerprint import Fingerprint, TopologyFacts
+from sparkrun_coldsnap.documents.capsule_config import CapsuleConfig, CapturedValidation, EngineRecord, NativePayload, WeightsRecord
+from sparkrun_coldsnap.documents.fingerprint import Fingerprint, TopologyFacts
 from sparkrun_coldsnap.documents.request import Launch, LaunchUnit, ModelRef, Topology, Workload
-from sparkrun_coldsnap.drivers.base import UnitImage
+from sparkrun_coldsnap.documents.unit_image import UnitImage
 from sparkrun_coldsnap.weights import model_files
 
 REVISION = "ab" * 20

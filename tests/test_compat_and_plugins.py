@@ -6,7 +6,8 @@ import pluggy
 import pytest
 
 from sparkrun_coldsnap import extensions, hookspecs
-from sparkrun_coldsnap.compat.fingerprint import Fingerprint, TopologyFacts, compare
+from sparkrun_coldsnap.compat.fingerprint import compare
+from sparkrun_coldsnap.documents.fingerprint import Fingerprint, TopologyFacts
 from sparkrun_coldsnap.drivers.base import SnapshotDriver, Support
 from sparkrun_coldsnap.engines.vllm import VllmAdapter
 from sparkrun_coldsnap.errors import RequestError

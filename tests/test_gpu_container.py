@@ -166,7 +166,7 @@ def test_namespace_pids_are_read_from_proc(tmp_path):
 
 
 def test_a_driver_that_does_not_run_in_containers_is_refused_before_docker_is_asked(tmp_path):
-    from sparkrun_coldsnap.drivers.base import UnitImage
+    from sparkrun_coldsnap.documents.unit_image import UnitImage
     from sparkrun_coldsnap.drivers.n580 import N580Driver
     from sparkrun_coldsnap.launch.containers import Containers
     from sparkrun_coldsnap.launch.docker import ContainerSpec

@@ -226,7 +226,7 @@ def test_two_ranks_on_two_gpus_are_captured_and_restored_with_their_ring(criu, t
 
 
 def test_a_capsule_of_two_ranks_is_refused_at_admission_where_one_gpu_is_visible(gpus, use_settings):
-    from sparkrun_coldsnap.drivers.base import UnitImage
+    from sparkrun_coldsnap.documents.unit_image import UnitImage
 
     both = [g["uuid"] for g in gpus]
     unit = UnitImage(name="solo", host="localhost", driver="n610", root_pid=2**22 + 1, pids=(2**22 + 1,), pid_namespace=False,

@@ -18,7 +18,7 @@ from conftest import hf_home, require_engine
 from registry_fixtures import free_port
 
 from sparkrun_coldsnap import extensions
-from sparkrun_coldsnap.capsule.config import ModelFile, NativePayload
+from sparkrun_coldsnap.documents.capsule_config import ModelFile, NativePayload
 from sparkrun_coldsnap.engines.base import Endpoint
 from sparkrun_coldsnap.errors import EngineError
 from sparkrun_coldsnap.host.process_tree import kill_tree
@@ -147,7 +147,7 @@ def test_a_payload_of_another_model_is_refused_by_the_engine(engine, tmp_path):
 
 
 def test_auto_falls_back_to_recovery_and_says_why(use_settings, tmp_path):
-    from sparkrun_coldsnap.capsule.config import WeightsRecord
+    from sparkrun_coldsnap.documents.capsule_config import WeightsRecord
 
     use_settings(home=tmp_path)
     adapter = extensions.registry().engine("vllm")

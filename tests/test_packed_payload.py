@@ -111,7 +111,7 @@ def test_the_copy_into_memory_takes_the_packed_copy_and_counts_the_bytes_it_read
 
 
 def test_packing_a_payload_skips_what_is_small_and_what_is_already_packed(payload):
-    from sparkrun_coldsnap.capsule.config import ModelFile
+    from sparkrun_coldsnap.documents.capsule_config import ModelFile
 
     files = tuple(ModelFile(name=p.name, size=p.stat().st_size, sha256=sha256(p)) for p in sorted(payload.iterdir()) if p.is_file())
     first = packed_payload.pack_payload(payload, files)

@@ -11,13 +11,13 @@ import pytest
 from helpers import REVISION, make_model, synthetic_workload
 
 from sparkrun_coldsnap import api
-from sparkrun_coldsnap.capsule.config import CapsuleConfig, CapturedValidation, EngineRecord, WeightsRecord
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.compat import pinning
 from sparkrun_coldsnap.compat.admission import admission
-from sparkrun_coldsnap.compat.fingerprint import Fingerprint, TopologyFacts
+from sparkrun_coldsnap.documents.capsule_config import CapsuleConfig, CapturedValidation, EngineRecord, WeightsRecord
+from sparkrun_coldsnap.documents.fingerprint import Fingerprint, TopologyFacts
 from sparkrun_coldsnap.documents.request import CapsuleRef, CaptureRequest, RestoreRequest, ValidationSpec
-from sparkrun_coldsnap.drivers.base import UnitImage
+from sparkrun_coldsnap.documents.unit_image import UnitImage
 from sparkrun_coldsnap.drivers.cpu import CpuDriver
 from sparkrun_coldsnap.engines.vllm import VllmAdapter
 from sparkrun_coldsnap.errors import RequestError

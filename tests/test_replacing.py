@@ -12,7 +12,7 @@ def test_what_the_replaced_workload_holds_does_not_refuse_a_restore_into_the_hos
     import sys
 
     from sparkrun_coldsnap.criu import tree as criu_tree
-    from sparkrun_coldsnap.drivers.base import SharedFile, UnitImage
+    from sparkrun_coldsnap.documents.unit_image import SharedFile, UnitImage
 
     shm = tmp_path / ("psm_" + uuid.uuid4().hex[:8])
     shm.write_bytes(b"\0" * 64)

@@ -22,7 +22,7 @@ from sparkrun_coldsnap.controller.units_agent import AgentCut, AgentDevices, Age
 from sparkrun_coldsnap.cuda import checkpoint as cuda_checkpoint
 from sparkrun_coldsnap.cuda import units as cuda_units
 from sparkrun_coldsnap.documents.request import LaunchUnit
-from sparkrun_coldsnap.drivers.base import UnitImage
+from sparkrun_coldsnap.documents.unit_image import UnitImage
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
 from sparkrun_coldsnap.units import framing
 from sparkrun_coldsnap.units.local import LocalHost

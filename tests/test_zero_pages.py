@@ -27,7 +27,7 @@ from sparkrun_coldsnap.criu import images as img
 from sparkrun_coldsnap.criu import tree as criu_tree
 from sparkrun_coldsnap.criu.tool import Criu
 from sparkrun_coldsnap.documents import settings
-from sparkrun_coldsnap.drivers.base import UnitImage
+from sparkrun_coldsnap.documents.unit_image import UnitImage
 from sparkrun_coldsnap.drivers.cpu import CpuDriver
 from sparkrun_coldsnap.host.process_tree import kill_tree, tree_pids
 from sparkrun_coldsnap.launch.local import start_unit

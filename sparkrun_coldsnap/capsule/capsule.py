@@ -11,10 +11,10 @@ from pydantic import ValidationError as PydanticValidationError
 
 from sparkrun_coldsnap import __version__
 from sparkrun_coldsnap.capsule import media
-from sparkrun_coldsnap.capsule.config import CAPSULE_FORMAT, CapsuleConfig
 from sparkrun_coldsnap.capsule.pack import PackedLayer
 from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor, IndexEntry
 from sparkrun_coldsnap.digests import canonical_json, sha256_bytes, short
+from sparkrun_coldsnap.documents.capsule_config import CAPSULE_FORMAT, CapsuleConfig
 from sparkrun_coldsnap.errors import IntegrityError, StoreError
 
 

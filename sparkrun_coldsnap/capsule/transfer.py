@@ -31,11 +31,11 @@ from typing import Any
 
 from sparkrun_coldsnap.capsule import media
 from sparkrun_coldsnap.capsule.capsule import Capsule, open_capsule, parse_config, parse_manifest
-from sparkrun_coldsnap.capsule.config import ModelFile, NativePayload, WeightsRecord
 from sparkrun_coldsnap.capsule.reference import Reference
 from sparkrun_coldsnap.capsule.registry import DEFAULT_CHUNK, RegistryClient
 from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor, capsule_ref
 from sparkrun_coldsnap.digests import canonical_json, sha256_bytes, short
+from sparkrun_coldsnap.documents.capsule_config import ModelFile, NativePayload, WeightsRecord
 from sparkrun_coldsnap.documents.capsule_ref import CapsuleRef
 from sparkrun_coldsnap.errors import ColdsnapError, IntegrityError, RequestError, StoreError
 from sparkrun_coldsnap.progress import QUIET, Progress

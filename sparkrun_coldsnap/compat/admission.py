@@ -11,13 +11,14 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sparkrun_coldsnap.compat.fingerprint import Fingerprint, TopologyFacts, compare
+from sparkrun_coldsnap.compat.fingerprint import compare
+from sparkrun_coldsnap.documents.fingerprint import Fingerprint, TopologyFacts
 from sparkrun_coldsnap.host import file_drift
 from sparkrun_coldsnap.host.facts import host_facts
 from sparkrun_coldsnap.weights import model_files, weight_paths
 
 if TYPE_CHECKING:
-    from sparkrun_coldsnap.capsule.config import CapsuleConfig
+    from sparkrun_coldsnap.documents.capsule_config import CapsuleConfig
     from sparkrun_coldsnap.documents.request import RestoreRequest, Workload
     from sparkrun_coldsnap.drivers.base import SnapshotDriver
     from sparkrun_coldsnap.engines.base import EngineAdapter

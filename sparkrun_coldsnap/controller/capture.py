@@ -10,18 +10,19 @@ from pathlib import Path
 
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
 from sparkrun_coldsnap.capsule.capsule import Capsule
-from sparkrun_coldsnap.capsule.config import CapsuleConfig, CapturedValidation, EngineRecord, ModelFile, NativePayload, WeightsRecord
 from sparkrun_coldsnap.capsule.pack import pack_unit
 from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor
 from sparkrun_coldsnap.compat import pinning
-from sparkrun_coldsnap.compat.fingerprint import Fingerprint
 from sparkrun_coldsnap.controller.admit import admit_driver_here, admit_snapshot
 from sparkrun_coldsnap.controller.common import Attempt, finish, require_one_unit, validate, wait_ready
 from sparkrun_coldsnap.documents import settings as settings_mod
+from sparkrun_coldsnap.documents.capsule_config import CapsuleConfig, CapturedValidation, EngineRecord, ModelFile, NativePayload, WeightsRecord
+from sparkrun_coldsnap.documents.fingerprint import Fingerprint
 from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder, Validation
 from sparkrun_coldsnap.documents.request import CaptureRequest, LaunchUnit
 from sparkrun_coldsnap.documents.settings import Settings
-from sparkrun_coldsnap.drivers.base import SnapshotDriver, UnitImage
+from sparkrun_coldsnap.documents.unit_image import UnitImage
+from sparkrun_coldsnap.drivers.base import SnapshotDriver
 from sparkrun_coldsnap.engines.base import Endpoint
 from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, RequestError, ValidationError
 from sparkrun_coldsnap.host import disk_room, engine_temp, leftovers, paths

@@ -33,10 +33,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
-from sparkrun_coldsnap.capsule.config import NativePayload
 from sparkrun_coldsnap.capsule.pack import PackedLayer
 from sparkrun_coldsnap.capsule.store import CapsuleStore
-from sparkrun_coldsnap.compat.fingerprint import Fingerprint, compare
+from sparkrun_coldsnap.compat.fingerprint import compare
 from sparkrun_coldsnap.controller import units_weights
 from sparkrun_coldsnap.controller.admit import admit_snapshot, resolve_across_hosts
 from sparkrun_coldsnap.controller.capture import CaptureOutcome, capsule_config
@@ -44,10 +43,12 @@ from sparkrun_coldsnap.controller.common import Attempt, finish, validate
 from sparkrun_coldsnap.controller.cut import UnitOnHost, checkpoint_units, on_every_unit
 from sparkrun_coldsnap.controller.units_agent import AgentCut, AgentDevices
 from sparkrun_coldsnap.documents import settings as settings_mod
+from sparkrun_coldsnap.documents.capsule_config import NativePayload
+from sparkrun_coldsnap.documents.fingerprint import Fingerprint
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder, Validation
 from sparkrun_coldsnap.documents.request import CaptureRequest, LaunchUnit, RestoreRequest, Workload
 from sparkrun_coldsnap.documents.settings import Settings
-from sparkrun_coldsnap.drivers.base import UnitImage
+from sparkrun_coldsnap.documents.unit_image import UnitImage
 from sparkrun_coldsnap.engines.base import Endpoint
 from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, ValidationError
 from sparkrun_coldsnap.host import iouring

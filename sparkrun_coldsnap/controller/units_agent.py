@@ -12,7 +12,7 @@ from typing import Any
 
 from sparkrun_coldsnap.controller.cut import UnitOnHost
 from sparkrun_coldsnap.documents.request import LaunchUnit
-from sparkrun_coldsnap.drivers.base import UnitImage
+from sparkrun_coldsnap.documents.unit_image import UnitImage
 from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, RestoreError
 from sparkrun_coldsnap.launch.remote import UnitHosts
 from sparkrun_coldsnap.units.step import Answer, Step

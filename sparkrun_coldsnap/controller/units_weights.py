@@ -13,7 +13,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from sparkrun_coldsnap.capsule.config import CapsuleConfig, NativePayload
+from sparkrun_coldsnap.documents.capsule_config import CapsuleConfig, NativePayload
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder, Weights
 from sparkrun_coldsnap.documents.request import CaptureRequest, LaunchUnit, RestoreRequest
 from sparkrun_coldsnap.engines.base import Endpoint

@@ -26,9 +26,10 @@ from sparkrun_coldsnap.criu import tree as criu_tree
 from sparkrun_coldsnap.criu.tool import Criu, how_it_ended, log_tail
 from sparkrun_coldsnap.criu.tree import BASE_FLAGS, RESTORE_LOG, TCP_FLAGS
 from sparkrun_coldsnap.documents import settings
-from sparkrun_coldsnap.drivers.base import Progress, UnitImage
+from sparkrun_coldsnap.documents.unit_image import UnitImage
 from sparkrun_coldsnap.errors import RestoreError
 from sparkrun_coldsnap.host import paths
+from sparkrun_coldsnap.progress import Report as Progress
 
 KEEPER = "sparkrun_coldsnap.criu.namespace_keeper"
 

@@ -27,9 +27,10 @@ import psutil
 from sparkrun_coldsnap.criu import tree as criu_tree
 from sparkrun_coldsnap.criu import tree_inspect
 from sparkrun_coldsnap.criu.tool import Criu, how_it_ended, log_tail
-from sparkrun_coldsnap.drivers.base import Progress, UnitImage
+from sparkrun_coldsnap.documents.unit_image import UnitImage
 from sparkrun_coldsnap.host.process_tree import SHARED_MEMORY_DIRS, fd_targets, inner_pid, kill_tree, mapped_paths, tree, tree_pids
 from sparkrun_coldsnap.host.runner import run
+from sparkrun_coldsnap.progress import Report as Progress
 
 
 def namespace_init(root_pid: int) -> int | None:

@@ -33,12 +33,13 @@ import psutil
 from sparkrun_coldsnap.criu import page_fill, tree_inspect
 from sparkrun_coldsnap.criu.tool import Criu, how_it_ended, log_tail
 from sparkrun_coldsnap.documents import settings
-from sparkrun_coldsnap.drivers.base import Progress, SharedFile, UnitImage
+from sparkrun_coldsnap.documents.unit_image import SharedFile, UnitImage
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
 from sparkrun_coldsnap.host import connections, major_faults, paths, peer_lock, xstate_perm
 from sparkrun_coldsnap.host.process_tree import fd_targets, kill_tree, shared_memory_files, tree_pids, users_of
 from sparkrun_coldsnap.host.runner import run
 from sparkrun_coldsnap.host.sparse import copy_sparse
+from sparkrun_coldsnap.progress import Report as Progress
 
 BASE_FLAGS = ("--ext-unix-sk", "--file-locks", "--link-remap", "--ghost-limit", "256M")
 # Every established connection is between processes of the frozen tree

@@ -42,7 +42,7 @@ from sparkrun_coldsnap.host.facts import gpu_facts
 
 if TYPE_CHECKING:
     from sparkrun_coldsnap.documents.request import Topology
-    from sparkrun_coldsnap.drivers.base import UnitImage
+    from sparkrun_coldsnap.documents.unit_image import UnitImage
     from sparkrun_coldsnap.engines.base import EngineAdapter
 
 #: NCCL without any transport that shares device or pinned memory between processes.

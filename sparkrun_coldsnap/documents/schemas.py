@@ -13,7 +13,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from sparkrun_coldsnap.capabilities import Capabilities
-from sparkrun_coldsnap.capsule.config import CapsuleConfig
+from sparkrun_coldsnap.documents.capsule_config import CapsuleConfig
 from sparkrun_coldsnap.documents.receipts import Receipt
 from sparkrun_coldsnap.documents.recipe_block import ColdsnapBlock
 from sparkrun_coldsnap.documents.request import CaptureRequest, RestoreRequest

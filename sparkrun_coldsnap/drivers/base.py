@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import Field
-
 from sparkrun_coldsnap.host.facts import HostFacts
-from sparkrun_coldsnap.host.file_drift import RecordedFile
 
 if TYPE_CHECKING:
     from sparkrun_coldsnap.documents.request import Topology
     from sparkrun_coldsnap.documents.settings import Settings
     from sparkrun_coldsnap.engines.base import EngineAdapter
     from sparkrun_coldsnap.launch.base import RunningUnit
-from sparkrun_coldsnap.documents.strict import Strict
+from sparkrun_coldsnap.documents.unit_image import UnitImage
+from sparkrun_coldsnap.progress import Report
 
-Progress = Callable[[str], None]
+Progress = Report
 
 
 @dataclass(frozen=True)
@@ -36,42 +34,6 @@ class RestoredUnit:
 class Support:
     ok: bool
     reason: str
-
-
-class SharedFile(Strict):
-    """A file on a shared-memory filesystem the tree uses; CRIU does not save its content."""
-
-    path: str = Field(description="Absolute path the workload used, e.g. /dev/shm/psm_1a2b.")
-    size: int
-    mode: int
-    stored: str = Field(description="Where its content sits inside the unit's image directory.")
-
-
-class UnitImage(Strict):
-    """What a driver recorded about one captured unit; goes into the capsule config."""
-
-    name: str
-    host: str
-    driver: str
-    root_pid: int = Field(description="Host PID of the tree's root at capture.")
-    pids: tuple[int, ...] = Field(description="Host PIDs of every process of the tree at capture.")
-    pid_namespace: bool = Field(description="The tree ran in its own PID namespace (restore needs no free host PIDs).")
-    log_resource: str | None = Field(None, description="The output file as CRIU names it; a fresh one replaces it at restore.")
-    shared_files: tuple[SharedFile, ...] = ()
-    tcp_established: bool = False
-    listening_ports: tuple[int, ...] = Field((), description="TCP ports the tree listened on at capture (a restore in its own network namespace forwards the recipe's port to the captured one).")
-    image_bytes: int = 0
-    criu_version: str | None = None
-    files: tuple[RecordedFile, ...] = Field((), description="Regular files the tree mapped or held open at capture (host processes), compared by admission before a restore.")
-    driver_data: dict[str, Any] = Field(
-        default_factory=dict,
-        description=(
-            "What the driver needs to restore the unit; n610: cuda_pids, gpu_uuids (the GPUs the workload used), host_gpu_uuids (every GPU of the capture host), "
-            "driver_version, helper_files (the files the CUDA checkpoint helper loaded, read before a restore); "
-            "a unit of a workload on several hosts: peer_connections (it holds connections to other hosts' units), peer_tcp (those connections: local address, port, peer address, port), native_files (the files of the "
-            "native weight payload its host holds)."
-        ),
-    )
 
 
 class SnapshotDriver(ABC):

@@ -25,7 +25,8 @@ from sparkrun_coldsnap.criu import page_fill, tree_inspect
 from sparkrun_coldsnap.criu import tree as criu_tree
 from sparkrun_coldsnap.criu.tool import Criu
 from sparkrun_coldsnap.documents import settings
-from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, Support, UnitImage
+from sparkrun_coldsnap.documents.unit_image import UnitImage
+from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, Support
 from sparkrun_coldsnap.drivers.criu_driver import CriuDriver
 from sparkrun_coldsnap.errors import ToolError
 from sparkrun_coldsnap.hookspecs import hookimpl

@@ -11,7 +11,8 @@ from sparkrun_coldsnap.criu import kdat as criu_kdat
 from sparkrun_coldsnap.criu import tool as criu_tool
 from sparkrun_coldsnap.criu import tree as criu_tree
 from sparkrun_coldsnap.criu.tool import Criu
-from sparkrun_coldsnap.drivers.base import Progress, SnapshotDriver, UnitImage
+from sparkrun_coldsnap.documents.unit_image import UnitImage
+from sparkrun_coldsnap.drivers.base import Progress, SnapshotDriver
 
 
 class CriuDriver(SnapshotDriver):

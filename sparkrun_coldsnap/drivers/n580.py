@@ -20,7 +20,8 @@ from sparkrun_coldsnap.criu import tree as criu_tree
 from sparkrun_coldsnap.criu import tree_inspect
 from sparkrun_coldsnap.criu.tool import Criu
 from sparkrun_coldsnap.cuda.nvidia import driver_major
-from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, Support, UnitImage
+from sparkrun_coldsnap.documents.unit_image import UnitImage
+from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, Support
 from sparkrun_coldsnap.drivers.criu_driver import CriuDriver
 from sparkrun_coldsnap.errors import CaptureError, EngineError, RequestError, ToolError
 from sparkrun_coldsnap.hookspecs import hookimpl

@@ -26,7 +26,8 @@ from sparkrun_coldsnap.cuda import nvidia
 from sparkrun_coldsnap.cuda import ranks as gpu_ranks
 from sparkrun_coldsnap.cuda import units as cuda_units
 from sparkrun_coldsnap.documents import settings
-from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, Support, UnitImage
+from sparkrun_coldsnap.documents.unit_image import UnitImage
+from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, Support
 from sparkrun_coldsnap.drivers.criu_driver import CriuDriver
 from sparkrun_coldsnap.errors import CaptureError, ToolError
 from sparkrun_coldsnap.hookspecs import hookimpl

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
     from sparkrun_coldsnap.documents.request import LaunchUnit, RestoreRequest, Workload
-    from sparkrun_coldsnap.drivers.base import SnapshotDriver, UnitImage
+    from sparkrun_coldsnap.documents.unit_image import UnitImage
+    from sparkrun_coldsnap.drivers.base import SnapshotDriver
     from sparkrun_coldsnap.host.file_drift import RecordedFile
     from sparkrun_coldsnap.launch.engine_env import EngineEnv
 

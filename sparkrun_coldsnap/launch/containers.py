@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sparkrun_coldsnap.documents.request import redact_env
-from sparkrun_coldsnap.drivers.base import UnitImage
+from sparkrun_coldsnap.documents.unit_image import UnitImage
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
 from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.host.process_tree import tree_pids

@@ -43,7 +43,8 @@ from sparkrun_coldsnap.host.process_tree import tree_pids
 from sparkrun_coldsnap.launch import container_restore, docker
 
 if TYPE_CHECKING:
-    from sparkrun_coldsnap.drivers.base import SnapshotDriver, UnitImage
+    from sparkrun_coldsnap.documents.unit_image import UnitImage
+    from sparkrun_coldsnap.drivers.base import SnapshotDriver
     from sparkrun_coldsnap.launch.base import Progress
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from sparkrun_coldsnap.api import CaptureOutcome, LiveWorkload, capture
-from sparkrun_coldsnap.capsule.config import NativePayload
 from sparkrun_coldsnap.capsule.store import CapsuleStore
+from sparkrun_coldsnap.documents.capsule_config import NativePayload
 from sparkrun_coldsnap.documents.request import CaptureRequest
 from sparkrun_coldsnap.documents.settings import Settings
 from sparkrun_coldsnap.launch.local import StartedUnit

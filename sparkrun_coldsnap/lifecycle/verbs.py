@@ -19,8 +19,8 @@ from typing import Any
 from sparkrun_coldsnap import extensions
 from sparkrun_coldsnap.api import Attempt, finish
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
-from sparkrun_coldsnap.capsule.config import NativePayload
 from sparkrun_coldsnap.capsule.store import CapsuleStore
+from sparkrun_coldsnap.documents.capsule_config import NativePayload
 from sparkrun_coldsnap.documents.capsule_ref import CapsuleRef
 from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder, Validation, save_failure_receipt, save_receipt
 from sparkrun_coldsnap.engines.base import Endpoint

@@ -21,7 +21,7 @@ from sparkrun_coldsnap.launch.engine_env import EngineEnv, EngineFacts, command_
 from sparkrun_coldsnap.launch.units import launcher_for
 
 if TYPE_CHECKING:
-    from sparkrun_coldsnap.compat.fingerprint import Fingerprint
+    from sparkrun_coldsnap.documents.fingerprint import Fingerprint
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,12 @@ from typing import Any, ClassVar
 
 from pydantic import Field, field_validator
 
-from sparkrun_coldsnap.capsule.config import CapsuleConfig, ModelFile, NativePayload
-from sparkrun_coldsnap.compat.fingerprint import Fingerprint
 from sparkrun_coldsnap.digests import require_digest
+from sparkrun_coldsnap.documents.capsule_config import CapsuleConfig, ModelFile, NativePayload
+from sparkrun_coldsnap.documents.fingerprint import Fingerprint
 from sparkrun_coldsnap.documents.request import CaptureRequest, RestoreRequest
 from sparkrun_coldsnap.documents.strict import Strict
-from sparkrun_coldsnap.drivers.base import UnitImage
+from sparkrun_coldsnap.documents.unit_image import UnitImage
 from sparkrun_coldsnap.host.file_drift import RecordedFile
 from sparkrun_coldsnap.units.step import Answer, Empty, Step
 

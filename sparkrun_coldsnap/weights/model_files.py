@@ -11,8 +11,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from sparkrun_coldsnap.capsule.config import ModelFile
 from sparkrun_coldsnap.digests import sha256_file
+from sparkrun_coldsnap.documents.capsule_config import ModelFile
 from sparkrun_coldsnap.errors import RequestError
 from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.host.atomic import write_bytes

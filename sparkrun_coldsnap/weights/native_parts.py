@@ -18,8 +18,8 @@ import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from sparkrun_coldsnap.capsule.config import ModelFile, NativePayload
 from sparkrun_coldsnap.digests import canonical_json, sha256_bytes, short
+from sparkrun_coldsnap.documents.capsule_config import ModelFile, NativePayload
 from sparkrun_coldsnap.errors import EngineError, RequestError
 from sparkrun_coldsnap.weights import model_files, native_payload
 

@@ -16,8 +16,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from sparkrun_coldsnap.capsule.config import NativePayload
 from sparkrun_coldsnap.digests import canonical_json, hex_of, sha256_bytes, short
+from sparkrun_coldsnap.documents.capsule_config import NativePayload
 from sparkrun_coldsnap.engines.base import Endpoint, EngineAdapter
 from sparkrun_coldsnap.errors import EngineError
 from sparkrun_coldsnap.host import paths

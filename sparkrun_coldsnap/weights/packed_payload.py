@@ -33,8 +33,8 @@ from pathlib import Path
 
 import blosc2
 
-from sparkrun_coldsnap.capsule.config import ModelFile
 from sparkrun_coldsnap.documents import settings as settings_mod
+from sparkrun_coldsnap.documents.capsule_config import ModelFile
 from sparkrun_coldsnap.errors import ColdsnapError, IntegrityError
 from sparkrun_coldsnap.host.atomic import fsync_dir
 from sparkrun_coldsnap.host.threads import ContextPool

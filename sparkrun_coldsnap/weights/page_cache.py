@@ -28,9 +28,9 @@ from sparkrun_coldsnap.host.threads import ContextPool, start_thread
 from sparkrun_coldsnap.weights import weight_paths
 
 if TYPE_CHECKING:
-    from sparkrun_coldsnap.capsule.config import CapsuleConfig
+    from sparkrun_coldsnap.documents.capsule_config import CapsuleConfig
     from sparkrun_coldsnap.documents.receipts import ReceiptBuilder
-    from sparkrun_coldsnap.drivers.base import UnitImage
+    from sparkrun_coldsnap.documents.unit_image import UnitImage
     from sparkrun_coldsnap.progress import Progress
     from sparkrun_coldsnap.weights.weight_paths import WeightChoice
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sparkrun_coldsnap.capsule.config import CapsuleConfig, ModelFile
+from sparkrun_coldsnap.documents.capsule_config import CapsuleConfig, ModelFile
 from sparkrun_coldsnap.documents.request import Workload
 from sparkrun_coldsnap.drivers.base import SnapshotDriver
 from sparkrun_coldsnap.engines.base import EngineAdapter

@@ -43,7 +43,7 @@ from sparkrun_coldsnap.weights import packed_payload, page_cache, weight_paths
 from sparkrun_coldsnap.weights.fill_marks import FillMark
 
 if TYPE_CHECKING:
-    from sparkrun_coldsnap.capsule.config import CapsuleConfig
+    from sparkrun_coldsnap.documents.capsule_config import CapsuleConfig
     from sparkrun_coldsnap.documents.receipts import ReceiptBuilder
     from sparkrun_coldsnap.progress import Progress
     from sparkrun_coldsnap.weights.weight_paths import WeightChoice

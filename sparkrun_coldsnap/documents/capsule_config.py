@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from sparkrun_coldsnap.compat.fingerprint import Fingerprint
+from sparkrun_coldsnap.documents.fingerprint import Fingerprint
 from sparkrun_coldsnap.documents.request import Workload
 from sparkrun_coldsnap.documents.strict import Strict
-from sparkrun_coldsnap.drivers.base import UnitImage
+from sparkrun_coldsnap.documents.unit_image import UnitImage
 
 CAPSULE_FORMAT: Literal[1] = 1
 
