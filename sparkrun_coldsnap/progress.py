@@ -17,6 +17,7 @@ from rich.progress import Progress as RichProgress
 #: one line of progress a tool reports as it goes (the drivers and CRIU take one)
 Report = Callable[[str], None]
 
+
 def _ignore(seconds: float, detail: str = "") -> None:
     """The quiet progress callback."""
 

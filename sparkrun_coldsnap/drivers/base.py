@@ -177,6 +177,14 @@ class SnapshotDriver(ABC):
 
         raise CaptureError("snapshot driver %s does not dump a unit at a cut across hosts: use a driver that captures across hosts (cpu, n610)" % self.name)
 
+    def restore_at_cut(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, zombie_wait: float = 30.0, details: dict[str, Any] | None = None) -> int:
+        """Restore *unit* from *images* on its host, its processes left stopped as they were at
+        the cut across hosts (the coordinator continues every unit together), its output to
+        *log_path*; the restored root's PID. What it measured goes into *details*."""
+        from sparkrun_coldsnap.errors import RestoreError
+
+        raise RestoreError("snapshot driver %s does not restore a unit at a cut across hosts: use a driver that captures across hosts (cpu, n610)" % self.name)
+
     # -- a unit's device state, step by step (a cut across hosts; ``device_state``) ----
     # Each step runs on the unit's own host. The coordinator calls a step on every unit before
     # it calls the next step on any, so no device is checkpointed while a peer still computes.

@@ -13,6 +13,7 @@ from sparkrun_coldsnap.criu import tree as criu_tree
 from sparkrun_coldsnap.criu.tool import Criu
 from sparkrun_coldsnap.documents.unit_image import UnitImage
 from sparkrun_coldsnap.drivers.base import Progress, SnapshotDriver
+from sparkrun_coldsnap.errors import RestoreError
 
 
 class CriuDriver(SnapshotDriver):
@@ -40,3 +41,13 @@ class CriuDriver(SnapshotDriver):
         # open (a POSIX semaphore's link_remap in /dev/shm), which a dump that leaves the tree
         # running removes again.
         return criu_tree.dump(Criu.locate(), root_pid, images, unit=unit, host=host, driver=self.name, progress=progress, leave_running=leave_running, peers=True)
+
+    def restore_at_cut(self, unit: UnitImage, images: Path, *, log_path: Path, progress: Progress, zombie_wait: float = 30.0, details: dict[str, Any] | None = None) -> int:
+        # The dumped tree's processes must be gone, not zombies waiting for the host's init.
+        held = criu_tree.pid_problems(unit.pids, zombie_wait=zombie_wait)
+        if held:
+            raise RestoreError("; ".join(held))
+        # The tree comes back stopped as it was dumped at the cut, its AMX tile permission given
+        # back before the coordinator continues it.
+        pid, _ = criu_tree.restore(Criu.locate(), unit, images, log_path=log_path, progress=progress, details=details if details is not None else {})
+        return pid

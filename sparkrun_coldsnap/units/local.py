@@ -15,7 +15,6 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from sparkrun_coldsnap.errors import RestoreError
 from sparkrun_coldsnap.units import steps as s
 from sparkrun_coldsnap.units.step import Answer, Empty, Step
 
@@ -226,17 +225,9 @@ class LocalHost:
         return s.StageAnswer(staging=str(staging), images=str(staging / "units" / step.unit), bytes=written)
 
     def restore(self, step: s.RestoreStep) -> s.RestoreAnswer:
-        from sparkrun_coldsnap.criu import tree as criu_tree
-        from sparkrun_coldsnap.criu.tool import Criu
-
-        # The dumped tree's processes must be gone, not zombies waiting for the host's init.
-        held = criu_tree.pid_problems(step.image.pids, zombie_wait=step.zombie_wait)
-        if held:
-            raise RestoreError("; ".join(held))
         details: dict[str, Any] = {}
-        # The tree comes back stopped as it was dumped at the cut, its AMX tile permission given
-        # back before the coordinator continues it; it writes the rank's own log (sparkrun logs reads it).
-        pid, _ = criu_tree.restore(Criu.locate(), step.image, Path(step.images), log_path=self.records.log_path(step.name), progress=_quiet, details=details)
+        # It writes the rank's own log (sparkrun logs reads it).
+        pid = _driver(step.image.driver).restore_at_cut(step.image, Path(step.images), log_path=self.records.log_path(step.name), progress=_quiet, zombie_wait=step.zombie_wait, details=details)
         return s.RestoreAnswer(pid=pid, details=details)
 
     def network_lock(self, step: s.NetworkLockStep) -> Empty:
