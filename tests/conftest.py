@@ -10,12 +10,14 @@ as installed by ``scripts/setup.sh``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,15 +101,30 @@ TIER = pytest.StashKey[str]()
 OWN_FAKES = (Path(__file__).resolve().parent, Path(tempfile.gettempdir()).resolve())
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    """While a test and its fixtures set up and tear down, starting a real part above the
-    test's tier fails at once, naming the fixture to request (tests/tier_fixtures.py)."""
+@contextlib.contextmanager
+def _tier_guard(item: pytest.Item) -> Iterator[None]:
     tier = item.stash.get(TIER, "full")
     if tier == "full":
-        return (yield)
+        yield
+        return
     with pytest.MonkeyPatch.context() as mp:
         tier_fixtures.install(tier_fixtures.Guard(tier, ENGINES, OWN_FAKES), mp)
+        yield
+
+
+# While a test and its fixtures set up, and while it runs, starting a real part above the test's
+# tier fails at once, naming the fixture to request (tests/tier_fixtures.py). Teardown is left
+# unguarded: the session's fixtures (the two hosts) end in the teardown of whichever test ran
+# last, whatever its tier, and a part being stopped is no part being started.
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    with _tier_guard(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    with _tier_guard(item):
         return (yield)
 
 
