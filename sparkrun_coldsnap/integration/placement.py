@@ -213,8 +213,7 @@ def capsule_name(actx: Any, block: ColdsnapBlock) -> CapsuleRef:
 
 
 def capsule_name_of(recipe: Any, block: ColdsnapBlock) -> CapsuleRef:
-    name = block.capsule.name or re.sub(r"[^a-z0-9]+", "-", Path(source_of(recipe)).stem.lower()).strip("-") or "capsule"
-    return CapsuleRef(name=name, tag=block.capsule.tag)
+    return block.capsule.ref(re.sub(r"[^a-z0-9]+", "-", Path(source_of(recipe)).stem.lower()).strip("-") or "capsule")
 
 
 def validation_of(block: ColdsnapBlock) -> ValidationSpec:

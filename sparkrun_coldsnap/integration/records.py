@@ -56,11 +56,15 @@ def same_intent(name: str, other: str) -> bool:
     return fnmatch.fnmatchcase(other, intent_pattern(name))
 
 
+def recorded_names(pattern: str) -> list[str]:
+    """The workload names sparkrun's local executor has a record of here matching the glob *pattern*."""
+    pidfile, _ = local_record_paths("")
+    return sorted(p.name[: -len(".pid")] for p in pidfile.parent.glob(pattern + ".pid"))
+
+
 def live_of_intent(name: str) -> list[str]:
     """The workloads recorded here under a name of *name*'s intent whose process still runs."""
-    pidfile, _ = local_record_paths(name)
-    found = sorted(p.name[: -len(".pid")] for p in pidfile.parent.glob(intent_pattern(name) + ".pid"))
-    return [n for n in found if registered_pid(n) is not None]
+    return [n for n in recorded_names(intent_pattern(name)) if registered_pid(n) is not None]
 
 
 def replaced_workload(name: str) -> str | None:

@@ -29,11 +29,10 @@ class SparkrunRecords:
         return records.local_record_paths(name)[1]
 
     def named(self, pattern: str) -> list[tuple[str, int]]:
-        pids = records.local_record_paths("x")[0].parent
         out = []
-        for pidfile in sorted(pids.glob(pattern + ".pid")):
+        for name in records.recorded_names(pattern):
             try:
-                out.append((pidfile.name[: -len(".pid")], int(pidfile.read_text().strip())))
+                out.append((name, int(records.local_record_paths(name)[0].read_text().strip())))
             except (OSError, ValueError):
                 continue
         return out
