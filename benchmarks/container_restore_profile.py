@@ -212,7 +212,7 @@ def main() -> None:
     drop_page_cache()
     prepared = api.prepare_restore(req, store=store, progress=progress)
     global LAZY_IMAGES
-    LAZY_IMAGES = str(getattr(getattr(prepared.staged, "container", None), "images", "") or "")
+    LAZY_IMAGES = str(getattr(getattr(getattr(prepared.units, "staged", None), "container", None), "images", "") or "")
     root = Path(docker_unit.info()["root_dir"])
     ingest = root / "containerd" / "daemon" / "io.containerd.content.v1.content" / "ingest"
     watcher = Watcher(ingest, checkpoint_leftovers.containerd_temp_dirs())

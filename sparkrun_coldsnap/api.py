@@ -30,14 +30,23 @@ from sparkrun_coldsnap import controller
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
 from sparkrun_coldsnap.capsule.capsule import Capsule
 from sparkrun_coldsnap.capsule.store import CapsuleStore
-from sparkrun_coldsnap.controller import units as controller_units
-from sparkrun_coldsnap.controller import units_restore
-from sparkrun_coldsnap.controller.capture import CaptureOutcome, LiveWorkload
-from sparkrun_coldsnap.controller.common import Attempt, ServingOutcome, finish
-from sparkrun_coldsnap.controller.cut import UnitOnHost
-from sparkrun_coldsnap.controller.restore import PreparedRestore, open_and_admit, unpack_capsule, unpacked_size
-from sparkrun_coldsnap.controller.units import ordered
-from sparkrun_coldsnap.controller.units_restore import PreparedUnits
+from sparkrun_coldsnap.controller import (
+    Attempt,
+    CaptureOutcome,
+    HereCapture,
+    HereRestore,
+    HostsCapture,
+    HostsRestore,
+    LiveWorkload,
+    PreparedRestore,
+    ServingOutcome,
+    UnitOnHost,
+    finish,
+    open_and_admit,
+    ordered,
+    unpack_capsule,
+    unpacked_size,
+)  # fmt: skip
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder, Validation
 from sparkrun_coldsnap.documents.request import REQUEST_FORMAT, CaptureRequest, RestoreRequest
@@ -56,7 +65,9 @@ __all__ = [
     "activate", "activate_restore", "activate_units", "admission", "capture", "capture_units", "load_request", "prepare", "prepare_restore",
     "prepare_units", "recapture_request", "refuse_topology", "restore", "start_units", "start_vanilla", "verify", "when_missing",
     # what they take and hand back
-    "Activated", "CaptureOutcome", "Plan", "PreparedRestore", "PreparedUnits", "Resolved", "ServingOutcome", "StartedUnits", "UnitOnHost",
+    "Activated", "CaptureOutcome", "Plan", "PreparedRestore", "Resolved", "ServingOutcome", "StartedUnits", "UnitOnHost",
+    # where the units of a restore are: this host's one, or a tree restored ahead (``lifecycle/warm.py``)
+    "HereRestore",
     # a receipt's failure handling, for the operations the lifecycle tells itself (sleep, wake, warm)
     "Attempt", "finish",
     # the steps of a restore prepared ahead (``lifecycle/warm.py``)
@@ -106,14 +117,14 @@ def capture(
 ) -> CaptureOutcome:  # fmt: skip
     """Start the request's engine, validate it, capture it into a capsule of *store*; with *live*,
     capture that serving workload instead of starting one (a hibernate: a failure leaves it serving)."""
-    return controller.capture(request, store=_store(store), settings=settings, progress=progress, live=live)
+    return controller.capture(request, HereCapture(live), store=_store(store), settings=settings, progress=progress)
 
 
 def capture_units(
     request: CaptureRequest, hosts: UnitHosts, *, store: CapsuleStore, init_port: int, settings: Settings | None = None, progress: Progress = QUIET,
 ) -> CaptureOutcome:  # fmt: skip
     """Start every unit of *request* on its host, validate through rank 0, checkpoint all at one cut, publish."""
-    return controller_units.capture_units(request, hosts, store=store, init_port=init_port, settings=settings, progress=progress)
+    return controller.capture(request, HostsCapture(hosts, init_port=init_port), store=store, settings=settings, progress=progress)
 
 
 # -- restore: prepare, then activate ---------------------------------------------------------
@@ -193,12 +204,12 @@ def prepare_restore(
     """Admission and staging of capsule ``request.capsule``, with no policy: a missing or refused
     capsule raises (what a benchmark and a restore prepared ahead want). *staged_at*: images
     unpacked earlier (a warm restore), which admission checks again and nothing unpacks."""
-    return controller.prepare_restore(request, store=store, settings=settings, progress=progress, replacing=replacing, staged_at=staged_at)
+    return controller.prepare(request, HereRestore(replacing=replacing, staged_at=staged_at), store=store, settings=settings, progress=progress)
 
 
 def activate_restore(prepared: PreparedRestore, *, log_path: Path, progress: Progress = QUIET) -> ServingOutcome:
     """Restore what *prepared* staged, bring its weights back, validate: a running, validated workload."""
-    return controller.activate_restore(prepared, log_path=log_path, progress=progress)
+    return controller.activate(prepared, log_path=log_path, progress=progress)
 
 
 def start_vanilla(
@@ -273,20 +284,20 @@ def admission(capsule: Capsule, request: RestoreRequest, *, settings: Settings |
 
 def refuse_topology(capsule: Capsule, request: RestoreRequest) -> None:
     """A CompatibilityError when the run's placement is not the captured one (units, ranks, hosts)."""
-    units_restore.refuse_topology(capsule, request)
+    controller.refuse_topology(capsule, request)
 
 
 # -- several units, over the hosts they were placed on ------------------------------------------
 
 
-def prepare_units(request: RestoreRequest, hosts: UnitHosts, *, store: CapsuleStore, settings: Settings | None = None, progress: Progress = QUIET) -> PreparedUnits:
+def prepare_units(request: RestoreRequest, hosts: UnitHosts, *, store: CapsuleStore, settings: Settings | None = None, progress: Progress = QUIET) -> PreparedRestore:
     """Topology, admission on every host, each unit's layers staged on its host (nothing stopped yet)."""
-    return units_restore.prepare_units(request, hosts, store=store, settings=settings, progress=progress)
+    return controller.prepare(request, HostsRestore(hosts), store=store, settings=settings, progress=progress)
 
 
-def activate_units(prepared: PreparedUnits, *, progress: Progress = QUIET) -> ServingOutcome:
+def activate_units(prepared: PreparedRestore, *, progress: Progress = QUIET) -> ServingOutcome:
     """Restore every unit *prepared* staged at once, bring the weights back, validate through rank 0."""
-    return units_restore.activate_units(prepared, progress=progress)
+    return controller.activate(prepared, progress=progress)
 
 
 @dataclass(frozen=True)
@@ -309,7 +320,7 @@ def start_units(
         rb.details["instead_of_restore"] = because
     r = controller.resolve(request.workload, settings or settings_mod.current())
     with Attempt(rb, stop=hosts.stop_all, told="every rank started has been stopped"):
-        validation, _ = controller_units.start_units(r, request, hosts, rb, progress, init_port=init_port)
+        validation = controller.start_units(r, request, hosts, rb, progress, init_port=init_port)
     if details is not None:
         rb.details.update(details())
     return StartedUnits(rb.finish("succeeded"), validation)

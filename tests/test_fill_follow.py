@@ -268,7 +268,7 @@ def test_preparation_reads_what_the_restore_needs_first_and_the_payload_behind_t
     without queueing any), the restore not waiting for it."""
     from types import SimpleNamespace
 
-    from sparkrun_coldsnap.controller import restore as restore_mod
+    from sparkrun_coldsnap.controller import restore, restore_here
     from sparkrun_coldsnap.documents import settings as settings_mod
     from sparkrun_coldsnap.weights.weight_paths import WeightChoice
 
@@ -279,10 +279,14 @@ def test_preparation_reads_what_the_restore_needs_first_and_the_payload_behind_t
     r = SimpleNamespace(driver=SimpleNamespace(program_files=lambda units=(): programs), adapter=SimpleNamespace(maps_native=True), launcher=SimpleNamespace(stage_phase="prepare.warm_up", stage=lambda *a, **k: staged))
     cap = SimpleNamespace(layers=[SimpleNamespace(digest="sha256:" + "a" * 64)], config=SimpleNamespace(units=[SimpleNamespace(name="unit")]))
     store = SimpleNamespace(blob_path=lambda digest: tmp_path / digest)
-    monkeypatch.setattr(restore_mod, "open_and_admit", lambda *a, **k: (cap, r, WeightChoice("native", tmp_path), ()))
-    monkeypatch.setattr(restore_mod, "new_restore_staging", lambda store, size: tmp_path / "staging")
-    monkeypatch.setattr(restore_mod, "unpacked_size", lambda cap: 0)
-    monkeypatch.setattr(restore_mod.page_cache, "cache_capsule_layers", lambda blobs, rb, progress: events.append("layers"))
+    monkeypatch.setattr(restore, "open_trusted", lambda *a, **k: cap)
+    monkeypatch.setattr(restore, "refuse_driver", lambda *a, **k: None)
+    monkeypatch.setattr(restore_here, "require_one_unit", lambda *a, **k: None)
+    monkeypatch.setattr(restore_here, "resolve", lambda *a, **k: r)
+    monkeypatch.setattr(restore_here, "admit_here", lambda *a, **k: (WeightChoice("native", tmp_path), ()))
+    monkeypatch.setattr(restore_here, "new_restore_staging", lambda store, size: tmp_path / "staging")
+    monkeypatch.setattr(restore_here, "unpacked_size", lambda cap: 0)
+    monkeypatch.setattr(restore_here.page_cache, "cache_capsule_layers", lambda blobs, rb, progress: events.append("layers"))
 
     def files(units, rb, progress, *, programs, queued, **_):
         assert programs == (tmp_path / "criu",)  # the restore's own tools are read with the files
@@ -303,12 +307,12 @@ def test_preparation_reads_what_the_restore_needs_first_and_the_payload_behind_t
         payload_began.set()
         return choice
 
-    monkeypatch.setattr(restore_mod.page_cache, "cache_tree_files", files)
-    monkeypatch.setattr(restore_mod, "unpack_capsule", unpack)
+    monkeypatch.setattr(restore_here.page_cache, "cache_tree_files", files)
+    monkeypatch.setattr(restore_here, "unpack_capsule", unpack)
     monkeypatch.setattr(weights_memory, "stage_for_restore", stage)
     req = SimpleNamespace(digest=lambda: "0" * 64, capsule=SimpleNamespace(ref="c:latest"), workload=SimpleNamespace(secret_values=lambda: (), model=SimpleNamespace(path=None)))
     cold = settings_mod.current().replace(cache_in_background=True, weights_memory=True)
-    prepared = restore_mod.prepare_restore(req, store=store, settings=cold)  # type: ignore[arg-type]
+    prepared = restore.prepare(req, restore_here.HereRestore(), store=store, settings=cold)  # type: ignore[arg-type]
     assert prepared.weights is not None and prepared.weights.pending is not None  # the restore goes ahead
     prepared.weights.settled()
     if files_skipped:

@@ -111,11 +111,11 @@ class AnswerLost(FakeUnitHosts):
 
 
 def test_a_hold_taken_whose_answer_was_lost_is_let_go(switch_on):
-    from sparkrun_coldsnap.controller.units import _io_uring_off
+    from sparkrun_coldsnap.controller.ranks import io_uring_off
     from sparkrun_coldsnap.documents.request import LaunchUnit
 
     hosts = AnswerLost()
-    with pytest.raises(CaptureError, match="no answer"), _io_uring_off(hosts, [LaunchUnit(name="solo", host="localhost")]):
+    with pytest.raises(CaptureError, match="no answer"), io_uring_off(hosts, [LaunchUnit(name="solo", host="localhost")]):
         pass
     assert hosts.calls == ["io_uring_off", "io_uring_back"]
     assert value() == "0" and holders() == []

@@ -179,7 +179,7 @@ def _capsule_of(workload):
 
 
 def test_a_placement_other_than_the_captured_one_is_named_unit_by_unit(tmp_path):
-    from sparkrun_coldsnap.controller.units_restore import refuse_topology, topology_problems
+    from sparkrun_coldsnap.controller.restore_hosts import refuse_topology, topology_problems
     from sparkrun_coldsnap.errors import CompatibilityError
 
     captured = two_host_workload(tmp_path)

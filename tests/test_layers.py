@@ -130,7 +130,7 @@ ALLOWED = {
     "bench": {"__init__", "api", "capsule", "documents", "errors", "host", "progress", "weights"},
     "capabilities": {"__init__", "capsule", "documents", "errors", "extensions", "host", "launch"},
     "api": {"capsule", "controller", "documents", "errors", "host", "launch", "progress", "units", "weights"},
-    "controller": {"capsule", "compat", "documents", "drivers", "engines", "errors", "extensions", "host", "launch", "progress", "secrets", "units", "weights"},
+    "controller": {"capsule", "compat", "documents", "engines", "errors", "extensions", "host", "launch", "progress", "secrets", "units", "weights"},
     "units": {"capsule", "compat", "criu", "digests", "documents", "drivers", "engines", "errors", "extensions", "host", "launch", "weights"},
     "setup": {"criu", "documents", "errors", "host", "launch"},
     "launch": {"criu", "cuda", "digests", "documents", "errors", "host"},

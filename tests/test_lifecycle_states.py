@@ -245,7 +245,7 @@ def test_a_workload_is_found_by_its_intent_when_a_plan_drew_another_placement_to
 def test_a_hibernate_keeps_the_native_payload_its_weights_came_from_only_while_it_is_intact(lifecycle_home):
     from types import SimpleNamespace
 
-    from sparkrun_coldsnap.controller.capture import reused_native
+    from sparkrun_coldsnap.controller.capture_here import reused_native
     from sparkrun_coldsnap.documents.receipts import ReceiptBuilder
     from sparkrun_coldsnap.weights import native_payload
 
@@ -255,11 +255,11 @@ def test_a_hibernate_keeps_the_native_payload_its_weights_came_from_only_while_i
     (staged / "rank0.json").write_text("{}")
     record = native_payload.seal(staged)  # as a capture's export leaves it
     run = SimpleNamespace(native_reuse=record, rb=ReceiptBuilder("hibernate"))
-    assert reused_native(run) == record and run.rb.details["native_reused"] == record.digest
+    assert reused_native(run.native_reuse, run.rb) == record and run.rb.details["native_reused"] == record.digest
     (native_payload.directory(record) / "rank0.safetensors").write_bytes(b"other tensors")
     run = SimpleNamespace(native_reuse=record, rb=ReceiptBuilder("hibernate"))
-    assert reused_native(run) is None and "does not match" in run.rb.details["native_not_reused"]  # written again instead
-    assert reused_native(SimpleNamespace(native_reuse=None, rb=ReceiptBuilder("hibernate"))) is None
+    assert reused_native(run.native_reuse, run.rb) is None and "does not match" in run.rb.details["native_not_reused"]  # written again instead
+    assert reused_native(None, ReceiptBuilder("hibernate")) is None
 
 
 def test_a_warm_tree_is_known_by_its_start_in_ticks_not_by_a_wall_clock_time_that_moves(tmp_path, monkeypatch):

@@ -190,7 +190,7 @@ def test_inspect_says_whether_the_native_payload_is_here(use_settings, tmp_path)
 def test_the_mapping_is_let_go_after_validation_and_a_failure_there_is_recorded_not_raised():
     from types import SimpleNamespace
 
-    from sparkrun_coldsnap.controller.restore import _after_hydration
+    from sparkrun_coldsnap.controller.restore_here import after_hydration
     from sparkrun_coldsnap.documents.receipts import ReceiptBuilder
     from sparkrun_coldsnap.engines.base import HydrationResult
     from sparkrun_coldsnap.engines.vllm import VllmAdapter
@@ -207,10 +207,10 @@ def test_the_mapping_is_let_go_after_validation_and_a_failure_there_is_recorded_
     choice = SimpleNamespace(release_memory=lambda: released.append(True))
     # Nothing kept (a reader that could not keep it, or SGLang): no call, the copy in memory still goes.
     rb = ReceiptBuilder("restore", request_sha256="0" * 64)
-    _after_hydration(SimpleNamespace(adapter=Vllm()), endpoint, HydrationResult("native", 1.0, ({"kept": False},)), choice, rb)  # type: ignore[arg-type]
+    after_hydration(SimpleNamespace(adapter=Vllm()), endpoint, HydrationResult("native", 1.0, ({"kept": False},)), choice, rb)  # type: ignore[arg-type]
     assert calls == [] and released == [True] and "hydrate_release_error" not in rb.details
     # Kept: the workers are asked to let go; their failure is recorded and the restore stands.
-    _after_hydration(SimpleNamespace(adapter=Vllm()), endpoint, HydrationResult("native", 1.0, ({"kept": True},)), choice, rb)  # type: ignore[arg-type]
+    after_hydration(SimpleNamespace(adapter=Vllm()), endpoint, HydrationResult("native", 1.0, ({"kept": True},)), choice, rb)  # type: ignore[arg-type]
     assert calls == ["coldsnap_release_mapped"] and released == [True, True]
     assert rb.details["hydrate_release_error"] == "vLLM coldsnap_release_mapped failed: HTTP 500"
     assert [p.name for p in rb.phases] == ["hydrate.release", "hydrate.release"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from sparkrun_coldsnap import secrets
 from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder, Validation
@@ -15,9 +15,6 @@ from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, RequestE
 from sparkrun_coldsnap.launch.base import RunningUnit
 from sparkrun_coldsnap.progress import Progress
 from sparkrun_coldsnap.units.resolved import Resolved
-
-if TYPE_CHECKING:
-    pass
 
 
 def require_one_unit(workload: Workload, operation: Literal["capture", "restore"]) -> None:
@@ -67,6 +64,11 @@ class Attempt:
 
     def on_failure(self, cleanup: Callable[[], object]) -> None:
         self._cleanups.append(cleanup)
+
+    def stops(self, stop: Callable[[], list[str]], *, told: str) -> None:
+        """From here a failure stops the units with *stop* (which the operation learned of once
+        it knew where its units run) and the message adds *told*."""
+        self._stop, self._told = stop, told
 
     def __enter__(self) -> Attempt:
         return self

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sparkrun_coldsnap import api
-from sparkrun_coldsnap.api import CaptureOutcome, PreparedUnits, ServingOutcome
+from sparkrun_coldsnap.api import CaptureOutcome, PreparedRestore, ServingOutcome
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.documents.request import CaptureRequest, RestoreRequest
 from sparkrun_coldsnap.integration.ranks import Ranks, executor_of
@@ -44,7 +44,7 @@ class UnitsPlan:
     """A restore of several units prepared in ``prepare_activation``, activated in ``activate``:
     the session to the hosts stays open between the two."""
 
-    prepared: PreparedUnits
+    prepared: PreparedRestore
     session: ClusterHosts
 
     def activate(self, progress: Progress = QUIET) -> ServingOutcome:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import psutil
 
-from sparkrun_coldsnap.api import Attempt, PreparedRestore, Resolved, finish, open_and_admit, prepare_restore, unpack_capsule, unpacked_size
+from sparkrun_coldsnap.api import Attempt, HereRestore, PreparedRestore, Resolved, finish, open_and_admit, prepare_restore, unpack_capsule, unpacked_size
 from sparkrun_coldsnap.capsule.capsule import Capsule
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.documents import settings as settings_mod
@@ -197,7 +197,7 @@ def claim(warm: WarmRestore, req: RestoreRequest, *, store: CapsuleStore, settin
     staged = RestoredTree(
         warm.tree_pid, local_record_paths(workload)[1], on_handover=lambda: _tree_file(Path(warm.staging)).unlink(missing_ok=True),
     )  # fmt: skip
-    return PreparedRestore(req, cap, r, settings, rb, staged, prepare_seconds=time.monotonic() - t, weights=choice, restored_ahead=True)
+    return PreparedRestore(req, cap, r, settings, rb, HereRestore(staged=staged), prepare_seconds=time.monotonic() - t, weights=choice, restored_ahead=True)
 
 
 def expired(warm: WarmRestore) -> bool:
