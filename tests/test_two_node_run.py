@@ -61,12 +61,10 @@ def prepare_run(two_node, sparkrun, tmp_path, *, keep_block: bool):
 
 
 def two_node_recipe(directory, *, store, keep_block: bool = True):
-    """recipes/tiny-vllm-cpu-two-node.yaml for the test hosts, its capsules in *store*."""
-    # sparkrun's detection names no interface on hosts without InfiniBand; gloo is pinned to
-    # the test hosts' own.
+    """recipes/tiny-vllm-cpu-two-node.yaml as shipped, its capsules in *store*: gloo is bound to
+    the interface holding each host's placed address, which the plugin finds on the host."""
     recipe = write_recipe(
         directory, source=RECIPE, name=RECIPE.name, replace={
-            '  HF_HUB_OFFLINE: "1"\n': '  HF_HUB_OFFLINE: "1"\n  GLOO_SOCKET_IFNAME: eth0\n',
             "  engine_env: vllm-cpu\n": "  engine_env: vllm-cpu\n  capsule: {store: %s}\n" % store,
         },
         coldsnap=None if keep_block else "",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from sparkrun_coldsnap.capsule.pack import PackedLayer
 from sparkrun_coldsnap.compat.fingerprint import compare
-from sparkrun_coldsnap.controller import units_weights
+from sparkrun_coldsnap.controller import socket_ifnames, units_weights
 from sparkrun_coldsnap.controller.admit import resolve_across_hosts
 from sparkrun_coldsnap.controller.capture import Capturing
 from sparkrun_coldsnap.controller.cut import UnitOnHost, checkpoint_units, on_every_unit
@@ -34,6 +34,7 @@ from sparkrun_coldsnap.documents.request import LaunchUnit, Workload
 from sparkrun_coldsnap.documents.unit_image import UnitImage
 from sparkrun_coldsnap.engines.base import Endpoint
 from sparkrun_coldsnap.errors import CaptureError, ColdsnapError
+from sparkrun_coldsnap.host import netfilter
 from sparkrun_coldsnap.launch.remote import UnitHosts
 from sparkrun_coldsnap.units.resolved import Resolved
 from sparkrun_coldsnap.units.steps import CaptureFactsStep, FilesStep, InboxStep, PackStep, RemoveStep
@@ -67,6 +68,9 @@ class HostsCapture:
         self.launches = capture_launches(c.r, w, units, c.rb, native_wanted=c.native_wanted)  # a refused setting stops it here, before anything starts
         self.hosts.check_reachable(units)
         self.head_fingerprint = self._capture_facts(c)
+        # Bound here, in admission: a host where the collectives' interface cannot be found is
+        # refused before io_uring is switched off or any engine starts.
+        self.launches = socket_ifnames.pinned(units, self.hosts, self.launches, c.rb)
         if self.hosts.listening(units[0], w.launch.port):
             raise CaptureError("port %d is in use on host %s (unit %s): stop that workload (sparkrun stop) or capture on another port" % (w.launch.port, units[0].host, units[0].name))
 
@@ -79,6 +83,9 @@ class HostsCapture:
         refused = ["host %s (unit %s): %s" % (u.host, u.name, answers[u.name].reason) for u in units if not answers[u.name].supported]
         if refused:
             raise CaptureError("snapshot driver %s cannot capture on %s" % (c.r.driver.name, "; ".join(refused)))
+        lacking = ["host %s (unit %s) lacks %s" % (u.host, u.name, ", ".join(answers[u.name].missing_tools)) for u in units if answers[u.name].missing_tools]
+        if lacking:
+            raise CaptureError("%s, which a capture across hosts runs (CRIU's network lock holds each connection to another host with it): run `%s` on every host" % ("; ".join(lacking), netfilter.FIX))
         head = answers[units[0].name].fingerprint
         differ = []
         for u in units[1:]:

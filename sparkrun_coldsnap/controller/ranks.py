@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 
+from sparkrun_coldsnap.controller import socket_ifnames
 from sparkrun_coldsnap.controller.common import validate
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder, Validation
 from sparkrun_coldsnap.documents.request import CaptureRequest, LaunchUnit, RestoreRequest, Workload
@@ -60,9 +61,10 @@ def recipe_launch(w: Workload) -> Launch:
 def start_ranks(w: Workload, hosts: UnitHosts, rb: ReceiptBuilder, progress: Progress, *, init_port: int, launch: Launch | None = None) -> float:
     """Every unit started on its host, head first, the others once the head listens on the
     rendezvous port; when the first started. *launch* gives each unit's command and environment
-    (default: the recipe's)."""
+    (default: the recipe's); the collectives are bound to each host's placed interface first,
+    where the launch does not name one (a host where none holds it is refused before any starts)."""
     units = ordered(w)
-    launch = launch or recipe_launch(w)
+    launches = socket_ifnames.pinned(units, hosts, {u.name: (launch or recipe_launch(w))(u) for u in units}, rb)
     t0 = time.monotonic()
     for u in units:
         if u.rank == 1:
@@ -71,7 +73,7 @@ def start_ranks(w: Workload, hosts: UnitHosts, rb: ReceiptBuilder, progress: Pro
                 hosts.wait_rendezvous(units[0], init_port)
         progress.step("starting %s on %s" % (u.name, u.host))
         with rb.phase("launch.%s" % u.name):
-            hosts.start(u, *launch(u))
+            hosts.start(u, *launches[u.name])
     return t0
 
 

@@ -27,9 +27,10 @@ class GlooBackend(CollectiveBackend):
 
     def env_for_host(self, ib_info: dict[str, str], *, topology: str | None = None) -> dict[str, str]:
         # sparkrun's detection reports the management interface only on hosts with an
-        # InfiniBand fabric; where it does, gloo and NODE_IP follow it. Otherwise torch
-        # picks the interface, and a recipe (or the cluster's env file) pins one with
-        # GLOO_SOCKET_IFNAME.
+        # InfiniBand fabric; where it does, gloo and NODE_IP follow it. Otherwise the plugin
+        # binds gloo to the interface holding the address sparkrun placed the rank at, found
+        # on its host before the ranks start (controller/socket_ifnames.py); a recipe (or the
+        # cluster's env file) that sets GLOO_SOCKET_IFNAME keeps its own.
         iface = ib_info.get("DETECTED_SOCKET_IFNAME", "").strip()
         address = ib_info.get("DETECTED_MGMT_IP", "").strip()
         env = {"GLOO_SOCKET_IFNAME": iface} if iface else {}

@@ -99,13 +99,22 @@ class LocalHost:
         """Whether the request's driver can capture on this host, and this host's fingerprint of
         the workload (what a capsule records and every host's admission compares with its own)."""
         from sparkrun_coldsnap.documents import settings as settings_mod
+        from sparkrun_coldsnap.host import netfilter
         from sparkrun_coldsnap.host.facts import host_facts
         from sparkrun_coldsnap.units.resolved import resolve
 
         r = resolve(step.request.workload, settings_mod.current())
         support = r.driver.support(host_facts())
         fingerprint = r.fingerprint(step.request.workload, r.driver.checkpoint_tool_version())
-        return s.CaptureFactsAnswer(supported=support.ok, reason=support.reason, fingerprint=fingerprint)
+        # Asked only of the hosts of a workload on several: every unit holds connections to
+        # the others, which its dump locks with iptables.
+        return s.CaptureFactsAnswer(supported=support.ok, reason=support.reason, fingerprint=fingerprint, missing_tools=tuple(netfilter.missing()))
+
+    def socket_interface(self, step: s.SocketInterfaceStep) -> s.SocketInterfaceAnswer:
+        from sparkrun_coldsnap.documents import settings as settings_mod
+        from sparkrun_coldsnap.host.socket_iface import interface_holding
+
+        return s.SocketInterfaceAnswer(interface=interface_holding(step.address, ssh_connection=settings_mod.current().environ.get("SSH_CONNECTION")))
 
     def files(self, step: s.FilesStep) -> s.FilesAnswer:
         from sparkrun_coldsnap.host import file_drift
@@ -187,6 +196,11 @@ class LocalHost:
         # Restored into this host's namespaces (the ranks reach each other at the captured
         # addresses): the captured PIDs and shared files must be free here.
         problems += [p for p in criu_tree.restore_problems(unit, replacing=replacing) if p not in problems]
+        if unit.driver_data.get("peer_connections"):
+            from sparkrun_coldsnap.host import netfilter
+
+            # Restored under iptables rules: CRIU's network lock and the peer lock.
+            problems += netfilter.problems("a restore across hosts")
         found = s.WeightsFound(path=choice.path, native_dir=str(choice.native_dir) if choice.native_dir else None, note=choice.note) if choice is not None else None
         return s.AdmitAnswer(problems=tuple(problems), restore_tools=None if problems else r.driver.ready_tools(), weights=found)
 

@@ -91,6 +91,7 @@ class CaptureFactsAnswer(Answer):
     supported: bool
     reason: str
     fingerprint: Fingerprint
+    missing_tools: tuple[str, ...] = Field((), description="Commands a capture across hosts runs on this host that it lacks (iptables: CRIU's network lock).")
 
 
 class CaptureFactsStep(Step[CaptureFactsAnswer]):
@@ -98,6 +99,18 @@ class CaptureFactsStep(Step[CaptureFactsAnswer]):
 
     verb: ClassVar[str] = "capture_facts"
     request: CaptureRequest
+
+
+class SocketInterfaceAnswer(Answer):
+    interface: str | None = Field(description="The interface holding the address; None: no interface of the host holds it.")
+
+
+class SocketInterfaceStep(Step[SocketInterfaceAnswer]):
+    """The interface of the host holding *address*, the one sparkrun placed its rank at
+    (host/socket_iface.py): the one the ranks' collectives bind to."""
+
+    verb: ClassVar[str] = "socket_interface"
+    address: str
 
 
 class FilesAnswer(Answer):
@@ -374,7 +387,7 @@ class RemoveStep(Step[Empty]):
 STEPS: dict[str, type[Step[Any]]] = {
     s.verb: s
     for s in (
-        RootStep, RecordedStep, AbortConnectionsStep, AdoptStep, CaptureFactsStep, FilesStep, DumpStep, PackStep,
+        RootStep, RecordedStep, AbortConnectionsStep, AdoptStep, CaptureFactsStep, SocketInterfaceStep, FilesStep, DumpStep, PackStep,
         DevicesLockStep, DevicesCheckpointStep, DevicesResumeStep, DevicesRestoreStep, DevicesUnlockStep,
         AdmitStep, InboxStep, StageStep, RestoreStep, NetworkLockStep, NetworkUnlockStep,
         NativeStagingStep, NativePartStep, NativePlaceStep, IoUringOffStep, IoUringBackStep, DropPageCacheStep, RemoveStep,
