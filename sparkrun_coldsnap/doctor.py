@@ -13,7 +13,7 @@ from sparkrun_coldsnap import __version__, extensions
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.criu import kdat as criu_kdat
 from sparkrun_coldsnap.criu import tool as criu_tool
-from sparkrun_coldsnap.host import disk_room, paths
+from sparkrun_coldsnap.host import disk_room, netfilter, paths
 from sparkrun_coldsnap.host.facts import host_facts
 from sparkrun_coldsnap.host.iouring import SYSCTL
 
@@ -124,6 +124,7 @@ def _host() -> list[Check]:
         out.append(Check("io_uring switch", "ok", "kernel.io_uring_disabled=%s (capture sets 2 while it runs)" % SYSCTL.read_text().strip()))
     if not shutil.which("bash"):
         out.append(Check("bash", "fail", "bash not found: engines are started with bash -c", "install bash"))
+    out.append(iptables_check())
     g = h.gpu
     if g.problem:
         out.append(Check("gpu", "warn", g.problem, "check the NVIDIA driver installation"))
@@ -132,6 +133,14 @@ def _host() -> list[Check]:
     else:
         out.append(Check("gpu", "ok", "no NVIDIA GPU: CPU engines only (driver cpu)"))
     return out
+
+
+def iptables_check() -> Check:
+    """A workload on several hosts is captured and restored under iptables rules; one host needs none."""
+    lacking = netfilter.missing()
+    if lacking:
+        return Check("iptables", "warn", "%s not found: a capture or restore across hosts refuses (CRIU's network lock holds each connection to another host with it)" % ", ".join(lacking), netfilter.FIX)
+    return Check("iptables", "ok", "%s (CRIU's network lock for workloads across hosts)" % shutil.which("iptables"))
 
 
 def _docker() -> list[Check]:

