@@ -5,7 +5,6 @@ capture facts, over the real wire), and a restore's admission on such a host say
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,10 +32,11 @@ def executable(path: Path, text: str = "#!/bin/sh\nexit 0\n") -> Path:
 
 @pytest.fixture
 def bare_path(tmp_path, monkeypatch) -> Path:
-    """PATH of an empty folder of the test's (for fake tools), then /bin for sh: no iptables (it lives in /usr/sbin)."""
+    """PATH of an empty folder of the test's only (for fake tools, which name what they run by path):
+    no iptables, no apt-get."""
     fake = tmp_path / "bin"
     fake.mkdir()
-    monkeypatch.setenv("PATH", os.pathsep.join([str(fake), "/bin"]))
+    monkeypatch.setenv("PATH", str(fake))
     assert netfilter.missing() == ["iptables", "iptables-restore"]
     return fake
 
@@ -54,7 +54,7 @@ def test_doctor_warns_without_iptables_with_the_fix_and_is_content_with_it(bare_
 APT = """#!/bin/sh
 echo "$*" >> {log}
 case "$*" in
-  *install*) for t in iptables iptables-restore; do printf '#!/bin/sh\\n' > {bin}/$t; chmod 755 {bin}/$t; done ;;
+  *install*) for t in iptables iptables-restore; do printf '#!/bin/sh\\n' > {bin}/$t; /bin/chmod 755 {bin}/$t; done ;;
 esac
 """
 
