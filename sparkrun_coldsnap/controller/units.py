@@ -44,6 +44,7 @@ from sparkrun_coldsnap.controller.cut import UnitOnHost, checkpoint_units, on_ev
 from sparkrun_coldsnap.controller.units_agent import AgentCut, AgentDevices
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.capsule_config import NativePayload
+from sparkrun_coldsnap.documents.driver_data import DriverData
 from sparkrun_coldsnap.documents.fingerprint import Fingerprint
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder, Validation
 from sparkrun_coldsnap.documents.request import CaptureRequest, LaunchUnit, RestoreRequest, Workload
@@ -169,7 +170,7 @@ def capture_units(
             unit_images = tuple(
                 images[u.name].model_copy(update={
                     "files": files[u.name], "image_bytes": layers[u.name][1],
-                    "driver_data": {**images[u.name].driver_data, **({"native_files": native_files[u.name]} if native is not None else {})},
+                    "driver_data": images[u.name].driver_data.merged(DriverData(native_files=tuple(native_files[u.name])) if native is not None else DriverData()),
                 })
                 for u in units
             )  # fmt: skip
@@ -251,7 +252,7 @@ def _checkpoint(
     rb.details["units"] = {name: {"phases": {k: round(v, 4) for k, v in p.items()}, "host": by_name[name].host} for name, p in cut.phases.items()}
     rb.details["barriers"] = {k: round(v, 4) for k, v in cut.barriers.items()}
     # What the driver needs of each unit's devices at restore, beside what its dump recorded.
-    images = {name: image.model_copy(update={"driver_data": {**image.driver_data, **cut.devices.get(name, {})}}) for name, image in cut.dumped.items()}
+    images = {name: image.model_copy(update={"driver_data": image.driver_data.merged(cut.devices.get(name, DriverData()))}) for name, image in cut.dumped.items()}
     return images, files, scratch
 
 
