@@ -259,12 +259,12 @@ def test_the_capture_released_and_the_restore_hydrated_through_the_gpu_steps(cap
     use_settings(page_fill_threads=2)
     cap = open_capsule(store, "fault:latest")
     unit = cap.config.units[0]
-    assert cap.config.driver == "n610" and cap.config.weights.location == "external" and len(unit.driver_data["cuda_pids"]) == 1  # the scheduler
+    assert cap.config.driver == "n610" and cap.config.weights.location == "external" and len(unit.driver_data.cuda_pids) == 1  # the scheduler
     done = api.restore(restore_request(port), store=store)
     try:
         r = done.outcome.receipt
         assert r.weights is not None and r.weights.path == "recovery" and "hydrate" in [p.name for p in r.phases]
-        assert [fake_gpu_state.read_proc(pid)["state"] for pid in unit.driver_data["cuda_pids"]] == ["running"]
+        assert [fake_gpu_state.read_proc(pid)["state"] for pid in unit.driver_data.cuda_pids] == ["running"]
         # Preparation took the big memory areas out of the images; the restore wrote them back.
         split = r.details["staged_images"]["page_fill_split"]
         assert split["bytes_moved"] > 0 and r.details["page_fill"]["bytes"] == split["bytes_moved"], r.details

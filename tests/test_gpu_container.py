@@ -70,7 +70,7 @@ def test_capture_locks_and_checkpoints_every_cuda_process_before_docker_checkpoi
     data = gc.checkpoint(api, rt, object(), Path("images"), cuda_pids=HOST_PIDS, ns_of=NS_PIDS.__getitem__)
     assert [op for op, _ in api.calls] == ["lock", "lock", "checkpoint", "checkpoint"]
     assert rt.events == ["docker checkpoint"]
-    assert data == {"cuda_ns_pids": [1, 24]}  # what the restore maps back, not the host PIDs
+    assert data.model_dump(mode="json") == {"cuda_ns_pids": [1, 24]}  # what the restore maps back, not the host PIDs
 
 
 def test_a_failed_docker_checkpoint_leaves_the_container_serving():

@@ -205,11 +205,11 @@ def allreduce(port: int) -> str:
 def test_two_ranks_on_two_gpus_are_captured_and_restored_with_their_ring(criu, tmp_path, gpus, use_settings):
     port = free_port()
     image = n610_checkpoint(start_ranks(tmp_path, port), tmp_path / "images")
-    cuda_pids = image.driver_data["cuda_pids"]
+    cuda_pids = image.driver_data.cuda_pids
     captured = {p: fake_gpu_state.read_proc(p)["gpus"][0]["uuid"] for p in cuda_pids}
     assert sorted(captured.values()) == sorted([gpus[0]["uuid"], gpus[0]["uuid"], gpus[1]["uuid"]])
     assert len(cuda_pids) == 3 and image.tcp_established  # the ring's connections are inside the tree
-    assert image.driver_data["gpu_uuids"] == [g["uuid"] for g in gpus]  # both GPUs, in the order the ranks see them
+    assert list(image.driver_data.gpu_uuids) == [g["uuid"] for g in gpus]  # both GPUs, in the order the ranks see them
     use_settings(cuda_visible_devices="1,0")  # restored with the GPUs swapped
     driver = N610Driver()
     assert driver.admission(image) == []

@@ -73,13 +73,13 @@ def restore(tmp_path: Path, image, name: str = "restore.log") -> int:
 def test_a_cuda_tree_is_checkpointed_dumped_and_restored_through_the_helper(criu, tmp_path, gpus):
     port = free_port()
     image = capture(tmp_path, port)
-    cuda_pids = image.driver_data["cuda_pids"]
-    assert len(cuda_pids) == 2 and image.driver_data["driver_version"] == 13000
-    assert image.driver_data["gpu_uuids"] == [gpus[0]["uuid"]]  # the one its CUDA_VISIBLE_DEVICES shows
-    assert image.driver_data["host_gpu_uuids"] == [g["uuid"] for g in gpus]  # read back through CUuuid's bytes
+    cuda_pids = image.driver_data.cuda_pids
+    assert len(cuda_pids) == 2 and image.driver_data.driver_version == 13000
+    assert list(image.driver_data.gpu_uuids) == [gpus[0]["uuid"]]  # the one its CUDA_VISIBLE_DEVICES shows
+    assert list(image.driver_data.host_gpu_uuids) == [g["uuid"] for g in gpus]  # read back through CUuuid's bytes
     assert [record(p)["state"] for p in cuda_pids] == ["checkpointed"] * 2
     # what the helper loaded (its interpreter, here the fake bindings) is read before a restore
-    helper_files = image.driver_data["helper_files"]
+    helper_files = image.driver_data.helper_files
     assert any(f.endswith("/cuda/bindings/driver.py") for f in helper_files) and os.path.realpath(sys.executable) in helper_files, helper_files
     assert {Path(f) for f in helper_files} <= set(N610Driver().program_files([image]))
     pid = restore(tmp_path, image)
@@ -101,7 +101,7 @@ def test_images_split_during_preparation_come_back_filled_before_the_cuda_restor
     restored = driver.restore(image, tmp_path / "images", log_path=tmp_path / "restore.log", progress=lambda m: None)
     try:
         assert restored.details["page_fill"]["bytes"] == staged["page_fill_split"]["bytes_moved"]
-        assert [record(p)["state"] for p in image.driver_data["cuda_pids"]] == ["running"] * 2
+        assert [record(p)["state"] for p in image.driver_data.cuda_pids] == ["running"] * 2
         assert wait_http("http://127.0.0.1:%d/state" % port).strip() == "2"
     finally:
         kill_tree(restored.root_pid)
@@ -113,7 +113,7 @@ def test_restoring_onto_the_other_gpu_maps_every_gpu_of_the_capture_host(criu, t
     use_settings(cuda_visible_devices="1")
     pid = restore(tmp_path, image)
     try:
-        assert {record(p)["gpus"][0]["uuid"] for p in image.driver_data["cuda_pids"]} == {gpus[1]["uuid"]}
+        assert {record(p)["gpus"][0]["uuid"] for p in image.driver_data.cuda_pids} == {gpus[1]["uuid"]}
         assert wait_http("http://127.0.0.1:%d/state" % port).strip() == "2"
     finally:
         kill_tree(pid)

@@ -23,6 +23,7 @@ from sparkrun_coldsnap.criu import page_fill, zero_pages
 from sparkrun_coldsnap.criu import tree as criu_tree
 from sparkrun_coldsnap.criu.tool import Criu
 from sparkrun_coldsnap.documents import settings
+from sparkrun_coldsnap.documents.driver_data import DriverData
 from sparkrun_coldsnap.drivers.cpu import CpuDriver
 from sparkrun_coldsnap.drivers.n610 import N610Driver
 from sparkrun_coldsnap.errors import RestoreError
@@ -170,7 +171,7 @@ def test_a_unit_dumped_stopped_at_a_cut_across_hosts_is_filled_and_left_stopped(
     """The coordinator continues every unit of such a workload at once, after every restore."""
     images, image, port, before = dump_pattern(tmp_path, PAGES)
     page_fill.split_for_fill(images)
-    peer = image.model_copy(update={"driver_data": {"peer_connections": True}})
+    peer = image.model_copy(update={"driver_data": DriverData(peer_connections=True)})
     pid = restore(peer, images, tmp_path)
     try:
         continues_as_dumped(pid, port, before)

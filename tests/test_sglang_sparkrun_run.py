@@ -103,7 +103,7 @@ def test_capture_took_the_n610_steps_on_the_fake_gpu(captured):
     cap = capsule_mod.open_capsule(CapsuleStore(store), "fake-sglang:latest")
     unit = cap.config.units[0]
     assert cap.config.driver == "n610" and cap.config.engine.name == "sglang" and cap.config.weights.location == "external"
-    assert len(unit.driver_data["cuda_pids"]) == 1 and unit.driver_data["host_gpu_uuids"] == [g["uuid"] for g in fake_gpu_state.gpus()]
+    assert len(unit.driver_data.cuda_pids) == 1 and list(unit.driver_data.host_gpu_uuids) == [g["uuid"] for g in fake_gpu_state.gpus()]
     names = [p["name"] for p in receipt["phases"]]
     assert names.index("validate") < names.index("release_memory") < names.index("checkpoint") < names.index("pack"), names
 
@@ -115,7 +115,7 @@ def test_sparkrun_run_restores_through_cuda_restore_and_hydration(captured, sr):
         assert "restored fake-sglang:latest" in out.stderr + out.stdout, out.stderr[-2000:]
         assert ask(port) == receipt["validation"]["reply"]
         cap = capsule_mod.open_capsule(CapsuleStore(store), "fake-sglang:latest")
-        (cuda_pid,) = cap.config.units[0].driver_data["cuda_pids"]
+        (cuda_pid,) = cap.config.units[0].driver_data.cuda_pids
         assert fake_gpu_state.read_proc(cuda_pid)["state"] == "running" and cuda_pid in pids(port)
         r = json.loads(sorted((store / "receipts" / "fake-sglang").glob("*-restore.json"))[-1].read_text())
         assert r["state"] == "succeeded" and r["weights"]["path"] == "recovery" and "hydrate" in [p["name"] for p in r["phases"]]
@@ -227,7 +227,7 @@ def test_warm_restores_the_tree_ahead_asleep_and_sparkrun_run_only_hydrates_and_
         assert row["state"] == "warm" and row["warm"]["tree_pid"] == tree and row["root_pid"] == tree and row["host_memory_bytes"] > 0
         assert tree in pids(port) and "Up (pid" in sr("status", "-H", "localhost").stdout  # sparkrun sees the warm tree
         cap = capsule_mod.open_capsule(CapsuleStore(store), row["capsule"])
-        (cuda_pid,) = cap.config.units[0].driver_data["cuda_pids"]
+        (cuda_pid,) = cap.config.units[0].driver_data.cuda_pids
         assert fake_gpu_state.read_proc(cuda_pid)["state"] == "running"  # its GPU state is back
         mark = len(fake_calls(sr("logs", str(recipe), "-H", "localhost", "-n", "400").stdout))
         assert "process tree restored ahead (pid %d" % tree in sr.coldsnap("status", name).stdout

@@ -21,6 +21,7 @@ from sparkrun_coldsnap.controller.cut import UnitOnHost, checkpoint_units, resto
 from sparkrun_coldsnap.controller.units_agent import AgentCut, AgentDevices, AgentRestore
 from sparkrun_coldsnap.cuda import checkpoint as cuda_checkpoint
 from sparkrun_coldsnap.cuda import units as cuda_units
+from sparkrun_coldsnap.documents.driver_data import DriverData
 from sparkrun_coldsnap.documents.request import LaunchUnit
 from sparkrun_coldsnap.documents.unit_image import UnitImage
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
@@ -115,7 +116,7 @@ class GpuHost(LocalHost):
         return Empty()
 
     def devices_resume(self, step):
-        data = step.data if step.data.get("cuda_pids") else {**step.data, "cuda_pids": PIDS[self.name]}
+        data = step.data if step.data.cuda_pids else step.data.merged(DriverData(cuda_pids=tuple(PIDS[self.name])))
         return ProblemsAnswer(problems=tuple(cuda_units.resume(self.api, data, state=step.state)))
 
     def devices_restore(self, step):
@@ -128,12 +129,12 @@ class GpuHost(LocalHost):
         return Empty()
 
     def network_lock(self, step):
-        assert [list(c) for c in step.connections] == image(self.name).driver_data["peer_tcp"]
+        assert [list(c) for c in step.connections] == [list(c) for c in image(self.name).driver_data.peer_tcp]
         self.hosts.held[self.name] = True
         return Empty()
 
     def network_unlock(self, step):
-        assert [list(c) for c in step.connections] == image(self.name).driver_data["peer_tcp"]
+        assert [list(c) for c in step.connections] == [list(c) for c in image(self.name).driver_data.peer_tcp]
         self.hosts.held[self.name] = False
         return ProblemsAnswer(problems=())
 
@@ -175,7 +176,7 @@ def test_every_unit_is_locked_before_any_checkpoint_and_every_checkpoint_comes_b
     assert len(locks) == len(checkpoints) == len(stops) == len(dumps) == 2
     assert max(locks) < min(checkpoints) and max(checkpoints) < min(stops) and max(stops) < min(dumps)
     assert not positions(log, "CONT") and not positions(log, "devices_resume")  # a capture's dumps end the trees
-    assert done.devices == {"rank-0": {"cuda_pids": [100, 101], "gpu_uuids": ["GPU-a"], "host_gpu_uuids": ["GPU-a"]},
+    assert {name: data.model_dump(mode="json") for name, data in done.devices.items()} == {"rank-0": {"cuda_pids": [100, 101], "gpu_uuids": ["GPU-a"], "host_gpu_uuids": ["GPU-a"]},
                             "rank-1": {"cuda_pids": [200, 201], "gpu_uuids": ["GPU-b"], "host_gpu_uuids": ["GPU-b"]}}  # fmt: skip
     assert set(done.barriers) == {"locked", "checkpointed", "quiesced", "dumped", "resumed"}
     assert set(done.phases["rank-1"]) == {"lock", "device_checkpoint", "quiesce", "dump"}

@@ -28,6 +28,7 @@ from sparkrun_coldsnap.criu import page_fill
 from sparkrun_coldsnap.criu import tree as criu_tree
 from sparkrun_coldsnap.criu.tool import Criu
 from sparkrun_coldsnap.documents import settings
+from sparkrun_coldsnap.documents.driver_data import DriverData
 from sparkrun_coldsnap.drivers.cpu import CpuDriver
 from sparkrun_coldsnap.host import xstate_perm
 from sparkrun_coldsnap.host.process_tree import kill_tree, tree_pids
@@ -359,7 +360,7 @@ def test_a_unit_dumped_stopped_at_a_cut_is_given_its_tiles_back_and_left_stopped
     back stopped (CRIU restores the stop), and stay so until the coordinator continues every
     one at once."""
     images, image, port, before = dump_pattern(tmp_path, PAGES, stopped=True)
-    peer = image.model_copy(update={"driver_data": {"peer_connections": True}})
+    peer = image.model_copy(update={"driver_data": DriverData(peer_connections=True)})
     measured: dict = {}
     pid, _ = criu_tree.restore(Criu.locate(), peer, images, log_path=tmp_path / "restore.log", progress=lambda m: None, details=measured)
     try:

@@ -67,9 +67,9 @@ def main() -> None:
         image = driver.checkpoint(unit.root_pid, work / "images", unit="solo", host="localhost", progress=print)
         report["checkpoint_seconds"] = time.monotonic() - t
         report["image_bytes"] = image.image_bytes
-        report["cuda_pids"] = image.driver_data.get("cuda_pids")
-        report["gpu_uuids_captured"] = image.driver_data.get("gpu_uuids")
-        report["host_gpu_uuids_captured"] = image.driver_data.get("host_gpu_uuids")
+        report["cuda_pids"] = image.driver_data.cuda_pids
+        report["gpu_uuids_captured"] = image.driver_data.gpu_uuids
+        report["host_gpu_uuids_captured"] = image.driver_data.host_gpu_uuids
         unit.reap()
         report["admission"] = driver.admission(image)
         if args.restore_gpus is not None:

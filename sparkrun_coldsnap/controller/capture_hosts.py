@@ -28,6 +28,7 @@ from sparkrun_coldsnap.controller.cut import UnitOnHost, checkpoint_units, on_ev
 from sparkrun_coldsnap.controller.ranks import io_uring_off, ordered, rank0_endpoint, ready_ranks, recipe_launch, start_ranks
 from sparkrun_coldsnap.controller.units_agent import AgentCut, AgentDevices
 from sparkrun_coldsnap.documents.capsule_config import NativePayload
+from sparkrun_coldsnap.documents.driver_data import DriverData
 from sparkrun_coldsnap.documents.fingerprint import Fingerprint
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder, Validation
 from sparkrun_coldsnap.documents.request import LaunchUnit, Workload
@@ -134,7 +135,7 @@ class HostsCapture:
         rb.details["barriers"] = {k: round(v, 4) for k, v in cut.barriers.items()}
         # What the driver needs of each unit's devices at restore, beside what its dump recorded.
         return [
-            cut.dumped[u.name].model_copy(update={"files": answers[u.name].files, "driver_data": {**cut.dumped[u.name].driver_data, **cut.devices.get(u.name, {})}})
+            cut.dumped[u.name].model_copy(update={"files": answers[u.name].files, "driver_data": cut.dumped[u.name].driver_data.merged(cut.devices.get(u.name, DriverData()))})
             for u in units
         ]  # fmt: skip
 
@@ -167,7 +168,7 @@ class HostsCapture:
         return layers, [
             image.model_copy(update={
                 "image_bytes": packed[u.name].image_bytes,
-                "driver_data": {**image.driver_data, **({"native_files": self.native_files[u.name]} if native is not None else {})},
+                "driver_data": image.driver_data.merged(DriverData(native_files=tuple(self.native_files[u.name])) if native is not None else DriverData()),
             })
             for u, image in zip(units, images, strict=True)
         ]  # fmt: skip

@@ -136,9 +136,9 @@ class HostsRestore:
         }  # fmt: skip
         for u in self.units:
             # Each host's count of its unit's processes given back their AMX tile permission.
-            tiles = steps.details.get(u.name, {}).get("amx_permission")
-            if tiles is not None:
-                rb.details["units"][u.name]["amx_permission"] = tiles
+            measured = steps.details.get(u.name)
+            if measured is not None and measured.amx_permission is not None:
+                rb.details["units"][u.name]["amx_permission"] = measured.amx_permission.model_dump(mode="json")
         rb.details["barriers"] = {k: round(v, 4) for k, v in done.barriers.items()}
 
     def _stop_restored(self) -> list[str]:

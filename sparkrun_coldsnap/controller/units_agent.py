@@ -8,9 +8,8 @@ process group there. A failure names the step, the unit and its host in one line
 
 from __future__ import annotations
 
-from typing import Any
-
 from sparkrun_coldsnap.controller.cut import UnitOnHost
+from sparkrun_coldsnap.documents.driver_data import DriverData
 from sparkrun_coldsnap.documents.request import LaunchUnit
 from sparkrun_coldsnap.documents.unit_image import UnitImage
 from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, RestoreError
@@ -26,6 +25,7 @@ from sparkrun_coldsnap.units.steps import (
     NetworkLockStep,
     NetworkUnlockStep,
     RemoveStep,
+    RestoreMeasured,
     RestoreStep,
 )  # fmt: skip
 
@@ -63,7 +63,7 @@ class AgentDevices:
 
     def __init__(self, hosts: UnitHosts, units: dict[str, LaunchUnit], driver: str) -> None:
         self.hosts, self.units, self.driver = hosts, units, driver
-        self.data: dict[str, dict[str, Any]] = {}
+        self.data: dict[str, DriverData] = {}
 
     def _step[A: Answer](self, unit: LaunchUnit, step: Step[A], what: str) -> A:
         try:
@@ -71,8 +71,8 @@ class AgentDevices:
         except ColdsnapError as err:
             raise CaptureError("%s %s" % (what, err.message)) from err
 
-    def lock(self, u: UnitOnHost) -> dict[str, Any]:
-        data = dict(self._step(self.units[u.unit], DevicesLockStep(driver=self.driver, root_pid=u.root_pid), "locking the devices of").data)
+    def lock(self, u: UnitOnHost) -> DriverData:
+        data = self._step(self.units[u.unit], DevicesLockStep(driver=self.driver, root_pid=u.root_pid), "locking the devices of").data
         self.data[u.unit] = data
         return data
 
@@ -82,7 +82,7 @@ class AgentDevices:
     def put_back(self, u: UnitOnHost, state: str) -> list[str]:
         # A unit whose lock did not answer has no record here: its host finds the tree's
         # device users again from the root (a lock never closes their device files).
-        data = {"root_pid": u.root_pid, **self.data.get(u.unit, {})}
+        data = DriverData(root_pid=u.root_pid).merged(self.data.get(u.unit, DriverData()))
         return list(self._step(self.units[u.unit], DevicesResumeStep(driver=self.driver, data=data, state=state), "putting back the devices of").problems)
 
 
@@ -93,7 +93,7 @@ class AgentRestore:
     def __init__(self, hosts: UnitHosts, images: dict[str, UnitImage], staged: dict[str, str], driver: str) -> None:
         self.hosts, self.images, self.staged, self.driver = hosts, images, staged, driver
         #: what each unit's host measured of its restore, by unit name
-        self.details: dict[str, dict[str, Any]] = {}
+        self.details: dict[str, RestoreMeasured] = {}
 
     def restore(self, u: LaunchUnit) -> int:
         step = RestoreStep(image=self.images[u.name], images=self.staged[u.name], name=self.hosts.rank_name(u))
@@ -101,11 +101,11 @@ class AgentRestore:
             answer = self.hosts.call(u, step, timeout=1800)
         except ColdsnapError as err:
             raise RestoreError("restoring %s" % err.message) from err
-        self.details[u.name] = dict(answer.details)
+        self.details[u.name] = answer.details
         return answer.pid
 
     def _network_step(self, u: LaunchUnit, lock: bool, what: str) -> None:
-        held = tuple(tuple(c) for c in self.images[u.name].driver_data.get("peer_tcp") or ())
+        held = self.images[u.name].driver_data.peer_tcp or ()
         if not held:
             return  # no connection to another host's unit
         try:

@@ -33,6 +33,7 @@ import psutil
 from sparkrun_coldsnap.criu import page_fill, tree_inspect
 from sparkrun_coldsnap.criu.tool import Criu, how_it_ended, log_tail
 from sparkrun_coldsnap.documents import settings
+from sparkrun_coldsnap.documents.driver_data import DriverData
 from sparkrun_coldsnap.documents.unit_image import SharedFile, UnitImage
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
 from sparkrun_coldsnap.host import connections, major_faults, paths, peer_lock, xstate_perm
@@ -86,7 +87,7 @@ def tcp_flags(unit: UnitImage) -> tuple[str, ...]:
     """CRIU's options for the unit's established connections (none: it had none)."""
     if not unit.tcp_established:
         return ()
-    return PEER_TCP_FLAGS if unit.driver_data.get("peer_connections") else TCP_FLAGS
+    return PEER_TCP_FLAGS if unit.driver_data.peer_connections else TCP_FLAGS
 
 
 def dump(
@@ -124,7 +125,7 @@ def dump(
     if not (peers and tcp):
         return image
     # The connections to other hosts' units, each host's restore holds back until every end is back.
-    return image.model_copy(update={"driver_data": {"peer_connections": True, "peer_tcp": [list(c) for c in to_peers]}})
+    return image.model_copy(update={"driver_data": DriverData(peer_connections=True, peer_tcp=tuple(to_peers))})
 
 
 def unit_image(
@@ -460,7 +461,7 @@ def continue_restored(unit: UnitImage, images: Path, root_pid: int, *, filling: 
     xstate_perm.give_back_tiles(root_pid, unit_name=unit.name, details=details)
     # A unit of a workload on several hosts was dumped stopped at the cut: it comes back
     # stopped either way, and the coordinator continues every unit at once.
-    if unit.driver_data.get("peer_connections"):
+    if unit.driver_data.peer_connections:
         return
     for pid in tree_pids(root_pid):
         try:

@@ -116,12 +116,12 @@ def gpu_problems(unit: UnitImage) -> list[str]:
 
     The same rule the restore's GPU map applies (``cuda_checkpoint.gpu_pairs``), asked early: a
     unit of several ranks needs several GPUs visible here."""
-    used = unit.driver_data.get("gpu_uuids", ())
+    used, every = unit.driver_data.gpus()
     here = [g.uuid for g in gpu_facts().gpus if g.uuid]
     if not here:
         return []  # the driver's tool did not list them: the restore's own check still applies
     try:
-        cuda_checkpoint.gpu_pairs(used, unit.driver_data.get("host_gpu_uuids", used), here, cuda_checkpoint.visible_uuids(settings.current().cuda_visible_devices, here))
+        cuda_checkpoint.gpu_pairs(used, every, here, cuda_checkpoint.visible_uuids(settings.current().cuda_visible_devices, here))
     except RestoreError as err:
         return [str(err)]
     return []

@@ -17,13 +17,13 @@ the checkpoint API as a parameter, so the order can be tested against a fake of 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import psutil
 
 from sparkrun_coldsnap.cuda import checkpoint as cuda_checkpoint
 from sparkrun_coldsnap.cuda import nvidia
 from sparkrun_coldsnap.cuda.checkpoint import CheckpointApi, HelperProcess
+from sparkrun_coldsnap.documents.driver_data import DriverData
 from sparkrun_coldsnap.errors import CaptureError, RequestError
 from sparkrun_coldsnap.host.process_tree import tree_pids
 
@@ -40,7 +40,7 @@ def workload_gpus(api: CheckpointApi, root_pid: int, pids: Sequence[int]) -> tup
     return cuda_checkpoint.workload_gpus(visible, nvidia.gpus_of(pids)), every
 
 
-def lock(api: HelperProcess, root_pid: int, *, timeout_ms: int = cuda_checkpoint.LOCK_TIMEOUT_MS) -> dict[str, Any]:
+def lock(api: HelperProcess, root_pid: int, *, timeout_ms: int = cuda_checkpoint.LOCK_TIMEOUT_MS) -> DriverData:
     """Lock every CUDA process of the tree; what a restore needs of them. On failure every
     process locked is unlocked again before the error goes on."""
     pids = tuple(tree_pids(root_pid))
@@ -49,15 +49,15 @@ def lock(api: HelperProcess, root_pid: int, *, timeout_ms: int = cuda_checkpoint
         raise CaptureError("no process of the unit (root pid %d) holds a CUDA context: is the engine running on the GPU?" % root_pid)
     used, every = workload_gpus(api, root_pid, pids)
     cuda_checkpoint.lock_all(api, cuda, timeout_ms=timeout_ms)
-    return {"cuda_pids": cuda, "gpu_uuids": used, "host_gpu_uuids": every, "driver_version": api.driver_version}
+    return DriverData(cuda_pids=tuple(cuda), gpu_uuids=tuple(used), host_gpu_uuids=tuple(every), driver_version=api.driver_version)
 
 
-def checkpoint(api: CheckpointApi, data: dict[str, Any]) -> None:
+def checkpoint(api: CheckpointApi, data: DriverData) -> None:
     """Checkpoint every locked CUDA process; on failure each is put back to running first."""
     cuda_checkpoint.checkpoint_locked(api, _pids(data))
 
 
-def resume(api: CheckpointApi, data: dict[str, Any], *, state: str) -> list[str]:
+def resume(api: CheckpointApi, data: DriverData, *, state: str) -> list[str]:
     """Every CUDA process back to running after a failed cut; what could not be, one line each.
 
     Known states go in the restore order (restore each, then unlock each); ``unknown`` (the
@@ -65,11 +65,11 @@ def resume(api: CheckpointApi, data: dict[str, Any], *, state: str) -> list[str]
     settles each process by the state the driver reports."""
     if state not in STATES:
         raise RequestError("unknown state %r of a unit's CUDA processes (one of %s)" % (state, ", ".join(STATES)))
-    if not data.get("cuda_pids") and data.get("root_pid"):
+    if not data.cuda_pids and data.root_pid:
         # The lock never answered: the tree's CUDA processes are found again (a lock leaves
         # their device files open; only a checkpoint, which came after it, closes them).
-        data = {**data, "cuda_pids": cuda_checkpoint.cuda_processes(tree_pids(int(data["root_pid"])))}
-        if not data["cuda_pids"]:
+        data = data.merged(DriverData(cuda_pids=tuple(cuda_checkpoint.cuda_processes(tree_pids(data.root_pid)))))
+        if not data.cuda_pids:
             return []
     pids = _pids(data)
     locked = pids if state in ("locked", "checkpointed") else []
@@ -77,23 +77,23 @@ def resume(api: CheckpointApi, data: dict[str, Any], *, state: str) -> list[str]
     return cuda_checkpoint.resume_all(api, pids, locked=locked, checkpointed=done)
 
 
-def restore(api: CheckpointApi, data: dict[str, Any], *, visible: str | None) -> None:
+def restore(api: CheckpointApi, data: DriverData, *, visible: str | None) -> None:
     """Every CUDA process of a tree CRIU restored gets its GPUs back (left locked).
 
     The GPU map names every GPU of the capture host (the driver refuses less); *visible* is
     the ``CUDA_VISIBLE_DEVICES`` that picks the GPUs of this host the workload comes back on."""
     here = api.uuids()
-    used = list(data.get("gpu_uuids") or ())
-    pairs = cuda_checkpoint.gpu_pairs(used, list(data.get("host_gpu_uuids") or used), here, cuda_checkpoint.visible_uuids(visible, here))
+    used, every = data.gpus()
+    pairs = cuda_checkpoint.gpu_pairs(used, every, here, cuda_checkpoint.visible_uuids(visible, here))
     cuda_checkpoint.restore_each(api, _pids(data), pairs)
 
 
-def unlock(api: CheckpointApi, data: dict[str, Any]) -> None:
+def unlock(api: CheckpointApi, data: DriverData) -> None:
     cuda_checkpoint.unlock_each(api, _pids(data))
 
 
-def _pids(data: dict[str, Any]) -> list[int]:
-    pids = [int(p) for p in data.get("cuda_pids") or ()]
+def _pids(data: DriverData) -> list[int]:
+    pids = list(data.cuda_pids or ())
     if not pids:
         raise RequestError("the unit's driver data names no CUDA process (cuda_pids): capture the workload again")
     return pids

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
 from pydantic import ValidationError as PydanticValidationError
 
 
@@ -10,6 +10,16 @@ class Strict(BaseModel):
     """Unknown keys are errors and documents do not change once built."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Sparse(Strict):
+    """A strict record whose unset (None) fields are left out of its JSON: one written before a
+    field existed reads and writes back unchanged."""
+
+    # No return annotation: the JSON Schema stays the fields' own, not a free-form object.
+    @model_serializer(mode="wrap")
+    def _without_unset(self, handler: SerializerFunctionWrapHandler):
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 def one_line(err: PydanticValidationError, *, prefix: str, known: dict[str, list[str]] | None = None) -> str:

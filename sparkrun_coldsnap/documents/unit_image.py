@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import Field
 
+from sparkrun_coldsnap.documents.driver_data import DriverData
 from sparkrun_coldsnap.documents.strict import Strict
 from sparkrun_coldsnap.host.file_drift import RecordedFile
 
@@ -35,12 +34,10 @@ class UnitImage(Strict):
     image_bytes: int = 0
     criu_version: str | None = None
     files: tuple[RecordedFile, ...] = Field((), description="Regular files the tree mapped or held open at capture (host processes), compared by admission before a restore.")
-    driver_data: dict[str, Any] = Field(
-        default_factory=dict,
+    driver_data: DriverData = Field(
+        default_factory=DriverData,
         description=(
-            "What the driver needs to restore the unit; n610: cuda_pids, gpu_uuids (the GPUs the workload used), host_gpu_uuids (every GPU of the capture host), "
-            "driver_version, helper_files (the files the CUDA checkpoint helper loaded, read before a restore); "
-            "a unit of a workload on several hosts: peer_connections (it holds connections to other hosts' units), peer_tcp (those connections: local address, port, peer address, port), native_files (the files of the "
-            "native weight payload its host holds)."
+            "What the driver needs to restore the unit beside its images: n610, its CUDA processes and GPUs; a unit of a workload on several hosts, its connections "
+            "to the other hosts' units and its host's part of the native weight payload; executor docker, its container. A field the driver did not record is left out."
         ),
     )

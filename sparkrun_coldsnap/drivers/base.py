@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from sparkrun_coldsnap.documents.settings import Settings
     from sparkrun_coldsnap.engines.base import EngineAdapter
     from sparkrun_coldsnap.launch.base import RunningUnit
+from sparkrun_coldsnap.documents.driver_data import DriverData
 from sparkrun_coldsnap.documents.unit_image import UnitImage
 from sparkrun_coldsnap.progress import Report
 
@@ -189,29 +190,29 @@ class SnapshotDriver(ABC):
     # Each step runs on the unit's own host. The coordinator calls a step on every unit before
     # it calls the next step on any, so no device is checkpointed while a peer still computes.
 
-    def lock_devices(self, root_pid: int) -> dict[str, Any]:
+    def lock_devices(self, root_pid: int) -> DriverData:
         """Lock every device user of the tree at *root_pid* (work in flight completes, new work
         waits); what a restore needs of them (the unit's ``driver_data``). On failure the ones
         locked are let go again before the error goes on."""
-        return {}
+        return DriverData()
 
-    def checkpoint_devices(self, data: dict[str, Any]) -> None:
+    def checkpoint_devices(self, data: DriverData) -> None:
         """Move the locked device state of *data*'s processes into host memory; on failure every
         one of them is put back to running before the error goes on."""
 
-    def resume_devices(self, data: dict[str, Any], *, state: str) -> list[str]:
+    def resume_devices(self, data: DriverData, *, state: str) -> list[str]:
         """Put *data*'s processes back to running after a cut that failed. *state* is what the
         coordinator knows of them: ``locked``, ``checkpointed``, or ``unknown`` (a step that
         failed or did not answer: each process is then settled by what the driver reports).
         The problems, one per process that could not be put back."""
         return []
 
-    def restore_devices(self, data: dict[str, Any], *, visible: str | None = None) -> None:
+    def restore_devices(self, data: DriverData, *, visible: str | None = None) -> None:
         """Give *data*'s processes (restored by CRIU, running again) their devices back, still
         locked; *visible* picks this host's devices as ``CUDA_VISIBLE_DEVICES`` does (None: the
         plugin's own setting)."""
 
-    def unlock_devices(self, data: dict[str, Any]) -> None:
+    def unlock_devices(self, data: DriverData) -> None:
         """Let *data*'s processes use their devices again (after every unit's restore)."""
 
     # -- what a launcher that dumps the tree with its own tool asks (a container runtime's CRIU;

@@ -26,6 +26,7 @@ from sparkrun_coldsnap.cuda import nvidia
 from sparkrun_coldsnap.cuda import ranks as gpu_ranks
 from sparkrun_coldsnap.cuda import units as cuda_units
 from sparkrun_coldsnap.documents import settings
+from sparkrun_coldsnap.documents.driver_data import DriverData
 from sparkrun_coldsnap.documents.unit_image import UnitImage
 from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, Support
 from sparkrun_coldsnap.drivers.criu_driver import CriuDriver
@@ -90,16 +91,14 @@ class N610Driver(CriuDriver):
             helper_files = api.files()
         finally:
             api.close()
-        data: dict[str, Any] = {
-            "cuda_pids": cuda, "gpu_uuids": uuids, "host_gpu_uuids": every, "driver_version": api.driver_version, "helper_files": helper_files,
-        }  # fmt: skip
+        data = DriverData(cuda_pids=tuple(cuda), gpu_uuids=tuple(uuids), host_gpu_uuids=tuple(every), driver_version=api.driver_version, helper_files=tuple(helper_files))
         return image.model_copy(update={"driver_data": data})
 
     def program_files(self, units: Sequence[UnitImage] = ()) -> tuple[Path, ...]:
         # The CUDA helper starts as preparation ends; on a node with nothing prepared its imports
         # and CUDA's libraries came from a disk busy with the weights' copy (2 s for an 8B
         # vLLM), so the files it loaded at capture are read with CRIU's.
-        helper = [Path(f) for u in units for f in u.driver_data.get("helper_files", ())]
+        helper = [Path(f) for u in units for f in u.driver_data.helper_files or ()]
         return (*super().program_files(units), *helper)
 
     def admission(self, unit: UnitImage, *, replacing: frozenset[int] = frozenset()) -> list[str]:
@@ -138,15 +137,11 @@ class N610Driver(CriuDriver):
             pid, handed = criu_tree.restore(criu, unit, images, log_path=log_path, progress=progress, lazy=lazy, owned_dir=owned_dir, details=measured)
             try:
                 here = api.uuids()
-                used = unit.driver_data.get("gpu_uuids", ())
-                pairs = cuda_checkpoint.gpu_pairs(
-                    used,
-                    unit.driver_data.get("host_gpu_uuids", used),
-                    here,
-                    cuda_checkpoint.visible_uuids(settings.current().cuda_visible_devices, here),
-                )
-                progress("CUDA restore of %d processes%s" % (len(unit.driver_data.get("cuda_pids", ())), " onto other GPUs" if pairs else ""))
-                gpu_ranks.restore(api, unit.driver_data.get("cuda_pids", ()), pairs)
+                used, every = unit.driver_data.gpus()
+                pairs = cuda_checkpoint.gpu_pairs(used, every, here, cuda_checkpoint.visible_uuids(settings.current().cuda_visible_devices, here))
+                cuda = unit.driver_data.cuda_pids or ()
+                progress("CUDA restore of %d processes%s" % (len(cuda), " onto other GPUs" if pairs else ""))
+                gpu_ranks.restore(api, cuda, pairs)
             except BaseException:
                 kill_tree(pid, grace=2.0)
                 raise
@@ -156,23 +151,23 @@ class N610Driver(CriuDriver):
 
     # -- one unit of a workload on several hosts, step by step on its host (cuda/units.py) ----
 
-    def lock_devices(self, root_pid: int) -> dict[str, Any]:
+    def lock_devices(self, root_pid: int) -> DriverData:
         with _helper() as api:
             return cuda_units.lock(api, root_pid)
 
-    def checkpoint_devices(self, data: dict[str, Any]) -> None:
+    def checkpoint_devices(self, data: DriverData) -> None:
         with _helper() as api:
             cuda_units.checkpoint(api, data)
 
-    def resume_devices(self, data: dict[str, Any], *, state: str) -> list[str]:
+    def resume_devices(self, data: DriverData, *, state: str) -> list[str]:
         with _helper() as api:
             return cuda_units.resume(api, data, state=state)
 
-    def restore_devices(self, data: dict[str, Any], *, visible: str | None = None) -> None:
+    def restore_devices(self, data: DriverData, *, visible: str | None = None) -> None:
         with _helper() as api:
             cuda_units.restore(api, data, visible=visible if visible is not None else settings.current().cuda_visible_devices)
 
-    def unlock_devices(self, data: dict[str, Any]) -> None:
+    def unlock_devices(self, data: DriverData) -> None:
         with _helper() as api:
             cuda_units.unlock(api, data)
 

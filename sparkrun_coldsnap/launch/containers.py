@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sparkrun_coldsnap.documents.driver_data import DriverData, RecordedContainer
 from sparkrun_coldsnap.documents.request import redact_env
 from sparkrun_coldsnap.documents.unit_image import UnitImage
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
@@ -104,11 +105,12 @@ class Containers(Launcher):
         else:
             progress("docker checkpoint of %d processes" % len(pids))
             docker.checkpoint(unit, images)
-            data = {}
+            data = DriverData()
         size = sum(f.stat().st_size for f in images.rglob("*") if f.is_file())
         spec = unit.spec
         assert spec is not None, "a container the plugin did not start"
-        data.update(container=dict(spec.to_json(), env=redact_env(dict(spec.env))), runtime=docker.runtime_summary())
+        recorded = RecordedContainer.model_validate(dict(spec.to_json(), env=redact_env(dict(spec.env))))
+        data = data.merged(DriverData(container=recorded, runtime=docker.runtime_summary()))
         return UnitImage(
             name=unit_def.name, host=unit_def.host, driver=driver.name, root_pid=root, pids=pids, pid_namespace=True, image_bytes=size,
             criu_version=driver.checkpoint_tool_version(), driver_data=data,
@@ -116,7 +118,10 @@ class Containers(Launcher):
 
     def stage(self, driver: SnapshotDriver, image: UnitImage, images: Path, *, staging: Path, request: RestoreRequest) -> StagedContainer:
         launch = request.workload.launch
-        spec = ContainerSpec.from_json(image.driver_data["container"], labels=request.workload_labels, env=launch.env, volumes=launch.volumes)
+        recorded = image.driver_data.container
+        if recorded is None:
+            raise RestoreError("unit %s of capsule %s records no container (it was captured with executor local): restore it with executor local" % (image.name, request.capsule.name))
+        spec = ContainerSpec.from_json(recorded.model_dump(), labels=request.workload_labels, env=launch.env, volumes=launch.volumes)
         temp = "coldsnap-restore-%s-%s" % (request.capsule.name, os.path.basename(staging)[-8:].lower())
         try:
             staged = StagedContainer(driver, self._prepare(driver, image, images, spec, temp))

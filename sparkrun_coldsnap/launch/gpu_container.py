@@ -38,6 +38,7 @@ from sparkrun_coldsnap.cuda import nvidia
 from sparkrun_coldsnap.cuda import ranks as gpu_ranks
 from sparkrun_coldsnap.cuda.checkpoint import CheckpointApi
 from sparkrun_coldsnap.documents import settings
+from sparkrun_coldsnap.documents.driver_data import DriverData
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
 from sparkrun_coldsnap.host.process_tree import tree_pids
 from sparkrun_coldsnap.launch import container_restore, docker
@@ -86,7 +87,7 @@ class PreparedGpuContainer:
         self.api.kill()
 
 
-def capture(driver: SnapshotDriver, unit: docker.ContainerUnit, images: Path, *, pids: Sequence[int], progress: Progress) -> dict[str, Any]:
+def capture(driver: SnapshotDriver, unit: docker.ContainerUnit, images: Path, *, pids: Sequence[int], progress: Progress) -> DriverData:
     """The driver's device steps around docker's checkpoint of *unit* (its tree: *pids*); what
     a restore needs of the devices (the unit's ``driver_data``)."""
     cuda = cuda_checkpoint.cuda_processes(pids)
@@ -98,7 +99,7 @@ def capture(driver: SnapshotDriver, unit: docker.ContainerUnit, images: Path, *,
         data = checkpoint(api, DockerRuntime(), unit, images, cuda_pids=cuda)
     finally:
         api.close()
-    return {**data, "gpu_uuids": uuids, "host_gpu_uuids": every, "driver_version": api.driver_version}
+    return data.merged(DriverData(gpu_uuids=tuple(uuids), host_gpu_uuids=tuple(every), driver_version=api.driver_version))
 
 
 def prepare(driver: SnapshotDriver, image: UnitImage, images: Path, spec: docker.ContainerSpec, temp_name: str) -> PreparedGpuContainer:
@@ -110,8 +111,8 @@ def prepare(driver: SnapshotDriver, image: UnitImage, images: Path, spec: docker
     except BaseException:
         container.remove()
         raise
-    used = image.driver_data.get("gpu_uuids", ())
-    return PreparedGpuContainer(container, api, image.driver_data.get("cuda_ns_pids", ()), used, image.driver_data.get("host_gpu_uuids", used))
+    used, every = image.driver_data.gpus()
+    return PreparedGpuContainer(container, api, image.driver_data.cuda_ns_pids or (), used, every)
 
 
 def start(prepared: PreparedGpuContainer, name: str, progress: Progress) -> Any:
@@ -147,7 +148,7 @@ def host_pids_for(ns_pids: Sequence[int], tree: Sequence[int], ns_of: Callable[[
     return [by_ns[p] for p in ns_pids]
 
 
-def checkpoint(api: CheckpointApi, runtime: ContainerRuntime, unit: Any, images: Path, *, cuda_pids: Sequence[int], ns_of: Callable[[int], int] = ns_pid) -> dict[str, Any]:
+def checkpoint(api: CheckpointApi, runtime: ContainerRuntime, unit: Any, images: Path, *, cuda_pids: Sequence[int], ns_of: Callable[[int], int] = ns_pid) -> DriverData:
     """CUDA checkpoint of *cuda_pids* (host PIDs), then docker's checkpoint of *unit*.
 
     Returns what the restore needs (the CUDA processes by namespace PID). On failure
@@ -158,7 +159,7 @@ def checkpoint(api: CheckpointApi, runtime: ContainerRuntime, unit: Any, images:
     ns = [ns_of(p) for p in cuda_pids]
     # On failure every process goes back to running: the container goes on serving.
     gpu_ranks.capture(api, cuda_pids, lambda: runtime.checkpoint(unit, images))
-    return {"cuda_ns_pids": ns}
+    return DriverData(cuda_ns_pids=tuple(ns))
 
 
 def restore(

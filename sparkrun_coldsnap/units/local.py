@@ -153,19 +153,19 @@ class LocalHost:
         return s.DevicesLockAnswer(data=_driver(step.driver).lock_devices(step.root_pid))
 
     def devices_checkpoint(self, step: s.DevicesCheckpointStep) -> Empty:
-        _driver(step.driver).checkpoint_devices(dict(step.data))
+        _driver(step.driver).checkpoint_devices(step.data)
         return Empty()
 
     def devices_resume(self, step: s.DevicesResumeStep) -> s.ProblemsAnswer:
         """After a cut that failed: the unit's device users back to running; what could not be."""
-        return s.ProblemsAnswer(problems=tuple(_driver(step.driver).resume_devices(dict(step.data), state=step.state)))
+        return s.ProblemsAnswer(problems=tuple(_driver(step.driver).resume_devices(step.data, state=step.state)))
 
     def devices_restore(self, step: s.DevicesRestoreStep) -> Empty:
-        _driver(step.driver).restore_devices(dict(step.data), visible=step.visible)
+        _driver(step.driver).restore_devices(step.data, visible=step.visible)
         return Empty()
 
     def devices_unlock(self, step: s.DevicesUnlockStep) -> Empty:
-        _driver(step.driver).unlock_devices(dict(step.data))
+        _driver(step.driver).unlock_devices(step.data)
         return Empty()
 
     # -- restore --------------------------------------------------------------------------------------
@@ -189,20 +189,22 @@ class LocalHost:
         here = r.fingerprint(req.workload, r.driver.checkpoint_tool_version())
         replacing = frozenset(p for _, leader in self.running(step.pattern) for p in tree_pids(leader))
         weights = cfg.weights
-        if weights.native is not None and unit.driver_data.get("native_files") is not None:
+        held = unit.driver_data.native_files
+        if weights.native is not None and held is not None:
             # This host holds the payload files its own ranks wrote, not the other hosts'.
-            weights = weights.model_copy(update={"native": native_parts.only(weights.native, unit.driver_data["native_files"])})
+            weights = weights.model_copy(update={"native": native_parts.only(weights.native, held)})
         problems, choice = admission(cfg.model_copy(update={"units": (unit,), "weights": weights}), req, here, r.driver, r.adapter, replacing=replacing)
         # Restored into this host's namespaces (the ranks reach each other at the captured
         # addresses): the captured PIDs and shared files must be free here.
         problems += [p for p in criu_tree.restore_problems(unit, replacing=replacing) if p not in problems]
-        if unit.driver_data.get("peer_connections"):
+        if unit.driver_data.peer_connections:
             from sparkrun_coldsnap.host import netfilter
 
             # Restored under iptables rules: CRIU's network lock and the peer lock.
             problems += netfilter.problems("a restore across hosts")
         found = s.WeightsFound(path=choice.path, native_dir=str(choice.native_dir) if choice.native_dir else None, note=choice.note) if choice is not None else None
-        return s.AdmitAnswer(problems=tuple(problems), restore_tools=None if problems else r.driver.ready_tools(), weights=found)
+        tools = None if problems else r.driver.ready_tools()
+        return s.AdmitAnswer(problems=tuple(problems), restore_tools=s.ToolsReady.model_validate(tools) if tools is not None else None, weights=found)
 
     def inbox(self, step: s.InboxStep) -> s.InboxAnswer:
         """A private directory for the layers about to be sent here."""
@@ -242,7 +244,7 @@ class LocalHost:
         details: dict[str, Any] = {}
         # It writes the rank's own log (sparkrun logs reads it).
         pid = _driver(step.image.driver).restore_at_cut(step.image, Path(step.images), log_path=self.records.log_path(step.name), progress=_quiet, zombie_wait=step.zombie_wait, details=details)
-        return s.RestoreAnswer(pid=pid, details=details)
+        return s.RestoreAnswer(pid=pid, details=s.RestoreMeasured.model_validate(details))
 
     def network_lock(self, step: s.NetworkLockStep) -> Empty:
         """Hold back the packets of the unit's connections to other hosts (host/peer_lock.py says why)."""

@@ -2,32 +2,30 @@
 
 The host end carries them out in :mod:`sparkrun_coldsnap.units.local`; the wire is
 :mod:`sparkrun_coldsnap.units.framing`. Paths are the host's own (strings: they name files
-on the unit's host, not here). ``driver_data`` is a unit's documented free-form field
-(``UnitImage.driver_data``) and ``details`` what a host measured for the receipt: both stay
-JSON objects the driver defines.
+on the unit's host, not here). A unit's driver data is its record's own model
+(:class:`~sparkrun_coldsnap.documents.driver_data.DriverData`); what a host measured for the
+receipt is a model where the coordinator reads it, and JSON only where it copies it into the
+receipt whole (the zero pages' report).
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import Field, field_validator
+from pydantic import Field, JsonValue, field_validator
 
 from sparkrun_coldsnap.digests import require_digest
 from sparkrun_coldsnap.documents.capsule_config import CapsuleConfig, ModelFile, NativePayload
+from sparkrun_coldsnap.documents.driver_data import Connection, DriverData
 from sparkrun_coldsnap.documents.fingerprint import Fingerprint
 from sparkrun_coldsnap.documents.request import CaptureRequest, RestoreRequest
-from sparkrun_coldsnap.documents.strict import Strict
+from sparkrun_coldsnap.documents.strict import Sparse, Strict
 from sparkrun_coldsnap.documents.unit_image import UnitImage
 from sparkrun_coldsnap.host.file_drift import RecordedFile
 from sparkrun_coldsnap.units.step import Answer, Empty, Step
 
-#: a unit's driver data (``UnitImage.driver_data``): what its driver needs at restore
-DriverData = dict[str, Any]
-#: what a host measured or did, for the receipt
-Details = dict[str, Any]
-#: a TCP connection as (local address, port, peer address, port)
-Connection = tuple[str, int, str, int]
+#: a report that goes into the receipt as the host wrote it (JSON all the way down)
+Report = dict[str, JsonValue]
 
 
 # -- the unit's ranks, as the workload manager recorded them on the host ------------------
@@ -154,7 +152,7 @@ class PackedLayerOnHost(Strict):
 
 class PackAnswer(Answer):
     image_bytes: int
-    zero_pages: Details | None = Field(description="What leaving the zero pages out did (None: not asked, or nothing to do).")
+    zero_pages: Report | None = Field(description="What leaving the zero pages out did, for the receipt (None: not asked, or nothing to do).")
     layers: tuple[PackedLayerOnHost, ...]
 
 
@@ -225,9 +223,17 @@ class WeightsFound(Strict):
     note: str | None = None
 
 
+class ToolsReady(Sparse):
+    """What made the restore's tools ready on the host (CRIU's record of the kernel's features)."""
+
+    record: str | None = Field(None, description="The record: made, kept, or kept by CRIU (a tmpfs /run).")
+    seconds: float | None = Field(None, description="How long making it took.")
+    skipped: str | None = Field(None, description="Why nothing was done.")
+
+
 class AdmitAnswer(Answer):
     problems: tuple[str, ...]
-    restore_tools: Details | None = Field(None, description="What made the restore's tools ready (when admitted).")
+    restore_tools: ToolsReady | None = Field(None, description="What made the restore's tools ready (when admitted).")
     weights: WeightsFound | None = None
 
 
@@ -284,9 +290,35 @@ class StageStep(Step[StageAnswer]):
     unpacked_bytes: int = 0
 
 
+class PageFillDone(Strict):
+    """The memory fill after CRIU's restore (criu/page_fill.py)."""
+
+    bytes: int
+    processes: int
+    threads: int
+    seconds: float
+    gb_per_s: float
+
+
+class TilesGivenBack(Strict):
+    """The restored processes given back their AMX tile permission (host/xstate_perm.py)."""
+
+    processes: int
+    refused: int
+
+
+class RestoreMeasured(Sparse):
+    """What a host measured of its unit's restore, for the receipt."""
+
+    criu_restore_seconds: float | None = None
+    criu_restore_major_faults: int | None = Field(None, description="Pages CRIU waited for from the disk.")
+    page_fill: PageFillDone | None = None
+    amx_permission: TilesGivenBack | None = None
+
+
 class RestoreAnswer(Answer):
     pid: int
-    details: Details = {}
+    details: RestoreMeasured = RestoreMeasured()
 
 
 class RestoreStep(Step[RestoreAnswer]):
