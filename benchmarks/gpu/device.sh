@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu/device.sh plugin     # install the plugin's target, unpack CRIU
 #   bash benchmarks/gpu/device.sh engine     # assemble vLLM, install the engine's target
 #   bash benchmarks/gpu/device.sh sglang     # assemble SGLang's wheels (prepare_carry_sglang.sh), install its target
+#   bash benchmarks/gpu/device.sh net        # unpack iproute2, iptables and openssh (carried .carry/gpu/net), link `ip`
 #   bash benchmarks/gpu/device.sh env        # print the environment lines the other steps use
 set -euo pipefail
 WORK=${COLDSNAP_GPU_WORK:-/root/coldsnap-gpu}
@@ -44,12 +45,20 @@ install_sglang() {
   PYTHONPATH="$WORK/sglang-site" python3 -c "import sglang, sgl_kernel, transformers; print('sglang', sglang.__version__, 'transformers', transformers.__version__)"
 }
 
+install_net() {
+  # Unpacked, not installed (dpkg -x, as CRIU is): the image's own packages stay as they are.
+  for f in .carry/gpu/net/*.deb; do dpkg -x "$f" "$WORK/net"; done
+  ln -sf "$WORK/net/bin/ip" /usr/local/bin/ip
+  echo "export LD_LIBRARY_PATH=$WORK/net/usr/lib/x86_64-linux-gnu:$WORK/net/lib/x86_64-linux-gnu"
+}
+
 case "${1:-}" in
   stash) stash ;;
   plugin) install_plugin ;;
   engine) install_engine ;;
   sglang) install_sglang ;;
+  net) install_net ;;
   env)
     echo "export COLDSNAP_HOME=$WORK/coldsnap-home PYTHONPATH=$WORK/plugin-site PATH=$WORK/plugin-site/bin:\$PATH SPARKRUN_NO_TELEMETRY=1 HF_HUB_OFFLINE=1" ;;
-  *) echo "usage: $0 stash|plugin|engine|sglang|env" >&2; exit 2 ;;
+  *) echo "usage: $0 stash|plugin|engine|sglang|net|env" >&2; exit 2 ;;
 esac

@@ -35,4 +35,9 @@ from pathlib import Path
 from sparkrun_coldsnap.setup.criu_install import download_debs
 download_debs(Path(sys.argv[1]), log=print)
 PY
+# iproute2, iptables and openssh with the libraries the GPU image lacks, for two namespaced hosts
+# there (device.sh net unpacks them; the image has none of the three).
+mkdir -p "$OUT/net"
+(cd "$OUT/net" && apt-get download -q iproute2 iptables openssh-server openssh-client openssh-sftp-server libmnl0 libxtables12 libnftnl11 \
+  libbpf1 libelf1 libcap2 libcap2-bin libnetfilter-conntrack3 libnfnetlink0 libwrap0 libip4tc2 libip6tc2 libnsl2 libtirpc3 libtirpc-common >/dev/null)
 du -sh "$OUT"/*

@@ -6,6 +6,8 @@
 # memory of the whole GPU, which the other rank changes while it loads.
 #   bash benchmarks/gpu/two_host_ids.sh hosts      # make the namespaces (idempotent)
 #   bash benchmarks/gpu/two_host_ids.sh vanilla    # start both ranks, time the first reply, stop them
+#   bash benchmarks/gpu/two_host_ids.sh cut        # the same, then the CUDA half of a cut across the two (lock,
+#                                                  # checkpoint, restore, unlock every rank) and a second reply
 # After device.sh stash/plugin/engine and `qualify.py model --work $WORK/qual` (MODEL_JSON names another).
 set -euo pipefail
 WORK=${COLDSNAP_GPU_WORK:-/root/coldsnap-gpu}
@@ -39,6 +41,15 @@ rank_env() {  # rank, address, interface
     "NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET"
 }
 
+ask() {  # one chat completion through rank 0, its reply printed
+  in_ns $A python3 - "$1" <<'PY'
+import json, sys, urllib.request
+body = json.dumps({"model": sys.argv[1], "messages": [{"role": "user", "content": "Reply with one short sentence: what is a cold start?"}], "max_tokens": 16, "temperature": 0}).encode()
+req = urllib.request.Request("http://127.0.0.1:8000/v1/chat/completions", body, {"Content-Type": "application/json"})
+print("reply:", repr(json.load(urllib.request.urlopen(req, timeout=30))["choices"][0]["message"]["content"]))
+PY
+}
+
 vanilla() {
   hosts
   path=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['path'])" "$MODEL_JSON")
@@ -47,21 +58,23 @@ vanilla() {
   before=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits)
   t0=$(date +%s.%N)
   in_ns $A env $(rank_env 0 $ADDR_A $(ifname va)) setsid python3 -m vllm.entrypoints.cli.main $common --node-rank 0 --port $PORT > "$RESULTS/rank0.log" 2>&1 &
+  roots=$!  # ip netns exec, env and setsid (not a group leader here) each exec the next: the rank's own PID
   in_ns $B env $(rank_env 1 $ADDR_B $(ifname vb)) setsid python3 -m vllm.entrypoints.cli.main $common --node-rank 1 --headless > "$RESULTS/rank1.log" 2>&1 &
+  roots="$roots $!"
   ok=""
   for _ in $(seq 1 480); do
-    if in_ns $A python3 - "$name" <<'PY' 2>/dev/null; then ok=1; break; fi
-import json, sys, urllib.request
-body = json.dumps({"model": sys.argv[1], "messages": [{"role": "user", "content": "Reply with one short sentence: what is a cold start?"}], "max_tokens": 16, "temperature": 0}).encode()
-req = urllib.request.Request("http://127.0.0.1:8000/v1/chat/completions", body, {"Content-Type": "application/json"})
-print("reply:", json.load(urllib.request.urlopen(req, timeout=30))["choices"][0]["message"]["content"])
-PY
+    if ask "$name" 2>/dev/null; then ok=1; break; fi
     sleep 0.5
   done
   t1=$(date +%s.%N)
   during=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits)
   echo "two-host TP2 vanilla start to first reply: $(python3 -c "print(round($t1-$t0,1))") s, answered: ${ok:-no}; GPU memory used MiB before $before, serving $during"
   grep -h "via NET/Socket\|NCCL WARN\|Duplicate GPU\|Error\|error" "$RESULTS"/rank*.log | sort | uniq -c | sort -rn | head -12 || true
+  if [ "${CUT:-}" = 1 ] && [ -n "$ok" ]; then
+    echo "CUDA cut across the two ranks (roots $roots):"
+    PYTHONPATH=$WORK/plugin-site python3 benchmarks/gpu/cuda_cut_two_hosts.py $roots || ok=""
+    ask "$name" || ok=""
+  fi
   pkill -f "vllm.entrypoints.cli.main" || true
   for _ in $(seq 1 60); do pgrep -f vllm.entrypoints.cli.main >/dev/null || break; sleep 0.5; done
   sleep 2
@@ -72,5 +85,6 @@ PY
 case "${1:-}" in
   hosts) hosts ;;
   vanilla) vanilla ;;
-  *) echo "usage: $0 hosts|vanilla" >&2; exit 2 ;;
+  cut) CUT=1 vanilla ;;
+  *) echo "usage: $0 hosts|vanilla|cut" >&2; exit 2 ;;
 esac

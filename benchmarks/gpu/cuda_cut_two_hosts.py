@@ -1,0 +1,56 @@
+"""The CUDA half of a cut across two hosts, on two serving ranks: every rank's CUDA processes
+locked, then every one checkpointed (device memory moved to host memory), then every one
+restored, then every one unlocked, in the order controller/cut.py gives the steps across hosts;
+each step timed, and the GPU memory in use after the checkpoint. The caller asks the engine
+again afterwards: NCCL's communicators over sockets must carry the next request.
+
+  PYTHONPATH=$WORK/plugin-site python3 benchmarks/gpu/cuda_cut_two_hosts.py ROOT_PID_A ROOT_PID_B
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+from sparkrun_coldsnap.cuda import checkpoint as cuda_checkpoint
+from sparkrun_coldsnap.host.process_tree import tree_pids
+
+
+def gpu_memory_mib() -> int:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[0])
+
+
+def main() -> int:
+    roots = [int(p) for p in sys.argv[1:]]
+    ranks = [cuda_checkpoint.cuda_processes(tree_pids(root)) for root in roots]
+    api = cuda_checkpoint.HelperProcess()
+    every = [pid for pids in ranks for pid in pids]
+    report: dict = {"cuda_pids": ranks, "gpu_mib_serving": gpu_memory_mib()}
+    t = time.monotonic()
+    for pids in ranks:  # every host's processes locked before any host checkpoints
+        cuda_checkpoint.lock_all(api, pids)
+    report["lock_seconds"] = round(time.monotonic() - t, 3)
+    t = time.monotonic()
+    for pids in ranks:
+        cuda_checkpoint.checkpoint_locked(api, pids)
+    report["checkpoint_seconds"] = round(time.monotonic() - t, 3)
+    report["gpu_mib_checkpointed"] = gpu_memory_mib()
+    t = time.monotonic()
+    for pids in ranks:  # every host's back on the GPU, still locked, before any unlocks
+        cuda_checkpoint.restore_each(api, pids)
+    report["restore_seconds"] = round(time.monotonic() - t, 3)
+    t = time.monotonic()
+    for pids in ranks:
+        cuda_checkpoint.unlock_each(api, pids)
+    report["unlock_seconds"] = round(time.monotonic() - t, 3)
+    report["gpu_mib_restored"] = gpu_memory_mib()
+    report["processes"] = len(every)
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
