@@ -29,23 +29,22 @@ def main() -> int:
     api = cuda_checkpoint.HelperProcess()
     every = [pid for pids in ranks for pid in pids]
     report: dict = {"cuda_pids": ranks, "gpu_mib_serving": gpu_memory_mib()}
-    t = time.monotonic()
-    for pids in ranks:  # every host's processes locked before any host checkpoints
-        cuda_checkpoint.lock_all(api, pids)
-    report["lock_seconds"] = round(time.monotonic() - t, 3)
-    t = time.monotonic()
-    for pids in ranks:
-        cuda_checkpoint.checkpoint_locked(api, pids)
-    report["checkpoint_seconds"] = round(time.monotonic() - t, 3)
-    report["gpu_mib_checkpointed"] = gpu_memory_mib()
-    t = time.monotonic()
-    for pids in ranks:  # every host's back on the GPU, still locked, before any unlocks
-        cuda_checkpoint.restore_each(api, pids)
-    report["restore_seconds"] = round(time.monotonic() - t, 3)
-    t = time.monotonic()
-    for pids in ranks:
-        cuda_checkpoint.unlock_each(api, pids)
-    report["unlock_seconds"] = round(time.monotonic() - t, 3)
+    # Each step on every rank before the next on any (controller/cut.py): every host's
+    # processes locked before any host checkpoints, every host's back on the GPU, still
+    # locked, before any unlocks.
+    steps = [
+        ("lock", lambda pids: cuda_checkpoint.lock_all(api, pids)),
+        ("checkpoint", lambda pids: cuda_checkpoint.checkpoint_locked(api, pids)),
+        ("restore", lambda pids: cuda_checkpoint.restore_each(api, pids)),
+        ("unlock", lambda pids: cuda_checkpoint.unlock_each(api, pids)),
+    ]
+    for name, step in steps:
+        t = time.monotonic()
+        for pids in ranks:
+            step(pids)
+        report["%s_seconds" % name] = round(time.monotonic() - t, 3)
+        if name == "checkpoint":
+            report["gpu_mib_checkpointed"] = gpu_memory_mib()
     report["gpu_mib_restored"] = gpu_memory_mib()
     report["processes"] = len(every)
     print(json.dumps(report), flush=True)

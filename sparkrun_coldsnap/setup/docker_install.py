@@ -27,12 +27,12 @@ from pathlib import Path
 import psutil
 
 from sparkrun_coldsnap.criu import tool as criu_tool
-from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.errors import ToolError
 from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.host.runner import run
 from sparkrun_coldsnap.launch import docker as docker_unit
 from sparkrun_coldsnap.launch import lazy_runtime
+from sparkrun_coldsnap.setup import debian_packages
 
 IMAGE = "coldsnap/vllm-cpu:0.32.0"
 DAEMON_JSON = Path("/etc/docker/daemon.json")
@@ -46,11 +46,7 @@ ROOTFS_PACKAGES = ("python3", "python3-dev", "libnuma1", "g++", "procps", "ca-ce
 def ensure_packages(log) -> None:
     missing = [p for p, exe in (("docker.io", "dockerd"), ("debootstrap", "debootstrap")) if not shutil.which(exe)]
     if missing:
-        log("installing %s" % ", ".join(missing))
-        env = settings.current().child_env(DEBIAN_FRONTEND="noninteractive")
-        if run(["apt-get", "install", "-y", "-q", *missing], timeout=1200, env=env, check=False).returncode != 0:
-            run(["apt-get", "update", "-q"], timeout=600, env=env, what="apt-get update")
-            run(["apt-get", "install", "-y", "-q", *missing], timeout=1200, env=env, what="apt-get install")
+        debian_packages.install(missing, log)
 
 
 def _daemon_json() -> dict:
