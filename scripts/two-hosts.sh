@@ -6,13 +6,18 @@
 #   scripts/two-hosts.sh down   all of it removed, sparkrun's SSH settings as they were before `up`
 # Both are idempotent. Needs root (namespaces, sshd). The hosts share this machine's files, as a
 # cluster on a shared filesystem does: the plugin, COLDSNAP_HOME and the model cache are the same
-# on both; each host has a home, a /dev/shm and sparkrun records of its own.
+# on both; each host has a name (hostname), a home, a /dev/shm and sparkrun records of its own.
+# NCCL tells hosts apart by their name: ranks on the two hosts talk over sockets, never through
+# shared memory or a GPU's peer access, even where both use one GPU of this machine.
 #
 # The switch is a bridge in a namespace of its own: bridged traffic passes the iptables FORWARD
 # chain of the namespace holding the bridge, which dockerd sets to DROP in this one.
 # Environment: NET (first three octets of the hosts' /24, default 198.18.200; 198.18.0.0/15 is set
 # aside for benchmarks), CLUSTER (default two-node), SPARKRUN (default: .venv/bin/sparkrun here,
-# else sparkrun on PATH), STATE (default /run/coldsnap-two-hosts).
+# else sparkrun on PATH), PYTHON (sparkrun's interpreter, default the `python` beside it), SSHD
+# (the sshd to run, default the system's or Debian's unpacked one), HOST_ENV (more NAME=VALUE
+# words every session on the hosts gets, e.g. a PYTHONPATH the plugin is installed on),
+# STATE (default /run/coldsnap-two-hosts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NET=${NET:-198.18.200}
@@ -21,7 +26,7 @@ STATE=${STATE:-/run/coldsnap-two-hosts}
 if [ -z "${SPARKRUN:-}" ]; then
   if [ -x .venv/bin/sparkrun ]; then SPARKRUN=$PWD/.venv/bin/sparkrun; else SPARKRUN=$(command -v sparkrun); fi
 fi
-PYTHON=$(dirname "$SPARKRUN")/python  # sparkrun's own interpreter: it has PyYAML
+PYTHON=${PYTHON:-$(dirname "$SPARKRUN")/python}  # sparkrun's own interpreter: it has PyYAML
 SW=coldsnap2h-sw
 CTL=coldsnap2h
 HOSTS=(a b)
@@ -86,8 +91,9 @@ up() {
   [ -f "$STATE/client_ed25519" ] || ssh-keygen -q -t ed25519 -N "" -C coldsnap-two-hosts -f "$STATE/client_ed25519"
   cp "$STATE/client_ed25519.pub" "$STATE/authorized_keys"
   : > "$STATE/known_hosts"
-  sshd=$(bash scripts/test-sshd.sh)  # the system's sshd, or Debian's unpacked into .work/openssh
-  libs=$(dirname "$(dirname "$sshd")")/lib/x86_64-linux-gnu
+  sshd=${SSHD:-$(bash scripts/test-sshd.sh)}  # the system's sshd, or Debian's unpacked into .work/openssh
+  prefix=$(dirname "$(dirname "$sshd")")  # its /usr, where an unpacked one keeps its libraries
+  libs=$prefix/lib/x86_64-linux-gnu:$(dirname "$prefix")/lib/x86_64-linux-gnu
   mkdir -p /run/sshd  # where sshd's privilege separation chroots
   passwd=-
   if ! getent passwd sshd >/dev/null; then  # the account privilege separation needs, in the hosts' mount namespaces only
@@ -109,14 +115,14 @@ PasswordAuthentication no
 KbdInteractiveAuthentication no
 UsePAM no
 StrictModes no
-Subsystem sftp $(dirname "$(dirname "$sshd")")/lib/openssh/sftp-server
-SetEnv HOME=$STATE/home-$h COLDSNAP_HOME=${COLDSNAP_HOME:-$HOME/.local/share/sparkrun-coldsnap} HF_HOME=${HF_HOME:-$HOME/.cache/huggingface}
+Subsystem sftp $prefix/lib/openssh/sftp-server
+SetEnv HOME=$STATE/home-$h COLDSNAP_HOME=${COLDSNAP_HOME:-$HOME/.local/share/sparkrun-coldsnap} HF_HOME=${HF_HOME:-$HOME/.cache/huggingface} ${HOST_ENV:-}
 EOF
     # A /dev/shm of its own, as a machine has (vLLM takes ranks that see each other's shared
-    # memory for ranks of one host).
-    LD_LIBRARY_PATH=$libs setsid ip netns exec "$(ns "$h")" sh -c \
-      'mount -t tmpfs -o mode=1777,size=8g shm /dev/shm && { [ "$0" = - ] || mount --bind "$0" /etc/passwd; } && exec "$@"' \
-      "$passwd" "$sshd" -D -e -f "$STATE/sshd-$h.conf" </dev/null >>"$STATE/sshd-$h.log" 2>&1 &
+    # memory for ranks of one host), and a name of its own (NCCL's host identity).
+    LD_LIBRARY_PATH=$libs setsid ip netns exec "$(ns "$h")" unshare --uts sh -c \
+      'hostname "$1" && mount -t tmpfs -o mode=1777,size=8g shm /dev/shm && { [ "$0" = - ] || mount --bind "$0" /etc/passwd; } && shift && exec "$@"' \
+      "$passwd" "$(ns "$h")" "$sshd" -D -e -f "$STATE/sshd-$h.conf" </dev/null >>"$STATE/sshd-$h.log" 2>&1 &
     echo $! > "$STATE/sshd-$h.pid"
   done
   for h in "${HOSTS[@]}"; do

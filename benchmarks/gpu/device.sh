@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu/device.sh plugin     # install the plugin's target, unpack CRIU
 #   bash benchmarks/gpu/device.sh engine     # assemble vLLM, install the engine's target
 #   bash benchmarks/gpu/device.sh sglang     # assemble SGLang's wheels (prepare_carry_sglang.sh), install its target
-#   bash benchmarks/gpu/device.sh net        # unpack iproute2, iptables and openssh (carried .carry/gpu/net), link `ip`
+#   bash benchmarks/gpu/device.sh net        # unpack iproute2, iptables and openssh (carried .carry/gpu/net), wrap their commands
 #   bash benchmarks/gpu/device.sh env        # print the environment lines the other steps use
 set -euo pipefail
 WORK=${COLDSNAP_GPU_WORK:-/root/coldsnap-gpu}
@@ -47,9 +47,28 @@ install_sglang() {
 
 install_net() {
   # Unpacked, not installed (dpkg -x, as CRIU is): the image's own packages stay as they are.
-  for f in .carry/gpu/net/*.deb; do dpkg -x "$f" "$WORK/net"; done
-  ln -sf "$WORK/net/bin/ip" /usr/local/bin/ip
-  echo "export LD_LIBRARY_PATH=$WORK/net/usr/lib/x86_64-linux-gnu:$WORK/net/lib/x86_64-linux-gnu"
+  # Each command gets a wrapper in /usr/local/{bin,sbin} that finds the unpacked libraries
+  # (LD_LIBRARY_PATH for that command alone: the engine never sees Debian's libraries), so
+  # sparkrun's ssh and scp, CRIU's iptables-restore and the hosts' scripts find them on PATH.
+  local root=$WORK/net libs
+  for f in .carry/gpu/net/*.deb; do dpkg -x "$f" "$root"; done
+  libs=$root/usr/lib/x86_64-linux-gnu:$root/lib/x86_64-linux-gnu
+  wrap() {  # wrapper path, real binary, name it runs as (argv[0])
+    printf '#!/bin/bash\nLD_LIBRARY_PATH=%s exec -a %s %s "$@"\n' "$libs" "$3" "$2" > "$1"
+    chmod 755 "$1"
+  }
+  wrap /usr/local/bin/ip "$root/bin/ip" ip
+  for c in ssh scp ssh-keygen; do wrap /usr/local/bin/$c "$root/usr/bin/$c" $c; done
+  # scp runs ssh by its compiled-in path
+  [ -e /usr/bin/ssh ] || ln -s /usr/local/bin/ssh /usr/bin/ssh
+  # iptables' commands are one binary that acts by the name it runs as
+  for c in iptables iptables-restore iptables-save ip6tables ip6tables-restore ip6tables-save; do
+    wrap /usr/local/sbin/$c "$root/usr/sbin/xtables-nft-multi" $c
+  done
+  # sshd re-executes itself by its own path and loads libwrap from the unpacked tree
+  # (scripts/two-hosts.sh gives it LD_LIBRARY_PATH from SSHD's prefix)
+  ip -V && ssh -V && iptables -V
+  echo "SSHD=$root/usr/sbin/sshd"
 }
 
 case "${1:-}" in

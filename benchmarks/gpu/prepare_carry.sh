@@ -39,5 +39,6 @@ PY
 # there (device.sh net unpacks them; the image has none of the three).
 mkdir -p "$OUT/net"
 (cd "$OUT/net" && apt-get download -q iproute2 iptables openssh-server openssh-client openssh-sftp-server libmnl0 libxtables12 libnftnl11 \
-  libbpf1 libelf1 libcap2 libcap2-bin libnetfilter-conntrack3 libnfnetlink0 libwrap0 libip4tc2 libip6tc2 libnsl2 libtirpc3 libtirpc-common >/dev/null)
+  libbpf1 libelf1 libcap2 libcap2-bin libnetfilter-conntrack3 libnfnetlink0 libwrap0 libip4tc2 libip6tc2 libnsl2 libtirpc3 libtirpc-common \
+  libgssapi-krb5-2 libkrb5-3 libk5crypto3 libkrb5support0 libkeyutils1 libcom-err2 libbsd0 libmd0 >/dev/null)
 du -sh "$OUT"/*
