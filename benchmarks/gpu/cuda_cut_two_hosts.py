@@ -23,8 +23,9 @@ def gpu_memory_mib() -> int:
     return int(out.stdout.split()[0])
 
 
-def main() -> int:
-    roots = [int(p) for p in sys.argv[1:]]
+def cut(roots: list[int]) -> dict:
+    """Lock, checkpoint, restore and unlock the CUDA processes of every tree in *roots*, each
+    step on every tree before the next; what each step took."""
     ranks = [cuda_checkpoint.cuda_processes(tree_pids(root)) for root in roots]
     api = cuda_checkpoint.HelperProcess()
     every = [pid for pids in ranks for pid in pids]
@@ -47,7 +48,11 @@ def main() -> int:
             report["gpu_mib_checkpointed"] = gpu_memory_mib()
     report["gpu_mib_restored"] = gpu_memory_mib()
     report["processes"] = len(every)
-    print(json.dumps(report), flush=True)
+    return report
+
+
+def main() -> int:
+    print(json.dumps(cut([int(p) for p in sys.argv[1:]])), flush=True)
     return 0
 
 

@@ -54,14 +54,15 @@ install_net() {
   for f in .carry/gpu/net/*.deb; do dpkg -x "$f" "$root"; done
   libs=$root/usr/lib/x86_64-linux-gnu:$root/lib/x86_64-linux-gnu
   wrap() {  # wrapper path, real binary, name it runs as (argv[0])
-    printf '#!/bin/bash\nLD_LIBRARY_PATH=%s exec -a %s %s "$@"\n' "$libs" "$3" "$2" > "$1"
+    printf '#!/bin/bash\nLD_LIBRARY_PATH=%s XTABLES_LIBDIR=%s exec -a %s %s "$@"\n' "$libs" "$root/usr/lib/x86_64-linux-gnu/xtables" "$3" "$2" > "$1"
     chmod 755 "$1"
   }
   wrap /usr/local/bin/ip "$root/bin/ip" ip
   for c in ssh scp ssh-keygen; do wrap /usr/local/bin/$c "$root/usr/bin/$c" $c; done
   # scp runs ssh by its compiled-in path
   [ -e /usr/bin/ssh ] || ln -s /usr/local/bin/ssh /usr/bin/ssh
-  # iptables' commands are one binary that acts by the name it runs as
+  # iptables' commands are one binary that acts by the name it runs as; its matches and targets
+  # (CRIU's connection lock uses `-m mark`) are loaded from XTABLES_LIBDIR
   for c in iptables iptables-restore iptables-save ip6tables ip6tables-restore ip6tables-save; do
     wrap /usr/local/sbin/$c "$root/usr/sbin/xtables-nft-multi" $c
   done

@@ -6,6 +6,7 @@
 # names and joins the ranks over sockets (P2P, SHM, NVLS and IB off, as the driver launches them).
 #
 #   bash benchmarks/gpu/two_host_path.sh setup     # net tools, the plugin, sparkrun's settings, the hosts, the recipe
+#   bash benchmarks/gpu/two_host_path.sh recipe    # the recipe written again (EXTRA_FLAGS: more flags for vllm serve)
 #   bash benchmarks/gpu/two_host_path.sh capture   # sparkrun coldsnap capture RECIPE --cluster two-node
 #   bash benchmarks/gpu/two_host_path.sh run       # sparkrun run (restored 2/2), status, a chat request,
 #                                                  # then a replacement restore with one host unreachable
@@ -22,7 +23,7 @@
 # `two_host_path.sh wait MODE` follows it in the next command.
 # Settings (environment): WORK (default /root/coldsnap-gpu), MODEL_JSON, SITE (the plugin's
 # target, default $WORK/user-site), PY (default python3), SAMPLES (default 3), KV_BYTES (each
-# rank's KV cache, default 2 GiB), RESULTS (default $OUT, else .), SKIP_SETUP=1 (plugin and
+# rank's KV cache, default 2 GiB), EXTRA_FLAGS (more flags for `vllm serve`), RESULTS (default $OUT, else .), SKIP_SETUP=1 (plugin and
 # settings as an earlier run left them).
 set -uo pipefail
 MODE=${1:?usage: $0 setup|capture|run|bench|fault-checkpoint|wait MODE}
@@ -45,6 +46,7 @@ if [ -n "${BACKGROUND:-}" ]; then
   # Its results stay under $WORK until `wait` (a later command, with its own $OUT) copies them.
   rm -rf "$WORK/results/$MODE" && mkdir -p "$WORK/results/$MODE"
   BACKGROUND= RESULTS=$WORK/results/$MODE setsid nohup bash "$0" "$MODE" > "$WORK/results/$MODE/$MODE.log" 2>&1 &
+  echo $! > "$WORK/results/$MODE/pid"
   echo "$MODE running detached (pid $!): bash $0 wait $MODE"
   exit 0
 fi
@@ -104,7 +106,7 @@ env:
   PYTHONPATH: $WORK/engine-site
   HF_HUB_OFFLINE: "1"
   VLLM_USE_FLASHINFER_SAMPLER: "0"
-command: vllm serve {model} --revision {model_revision} --port {port} --tensor-parallel-size {tensor_parallel} --max-model-len 2048 --disable-custom-all-reduce --kv-cache-memory-bytes $KV_BYTES --gpu-memory-utilization 0.4
+command: vllm serve {model} --revision {model_revision} --port {port} --tensor-parallel-size {tensor_parallel} --max-model-len 2048 --disable-custom-all-reduce --kv-cache-memory-bytes $KV_BYTES --gpu-memory-utilization 0.4${EXTRA_FLAGS:+ $EXTRA_FLAGS}
 coldsnap:
   driver: n610
   validation:
@@ -218,6 +220,7 @@ fault_checkpoint() {
 
 case "$MODE" in
   setup) setup ;;
+  recipe) write_recipe ;;
   capture) capture ;;
   run) run_path ;;
   bench) bench ;;
@@ -225,9 +228,10 @@ case "$MODE" in
   wait)
     # Follows a detached mode for up to WAIT_SECONDS (default 540), then copies what it wrote.
     what=${2:?which mode}
-    for _ in $(seq "${WAIT_SECONDS:-540}"); do pgrep -f "two_host_path.sh $what" >/dev/null || break; sleep 1; done
+    running() { kill -0 "$(cat "$WORK/results/$what/pid")" 2>/dev/null; }
+    for _ in $(seq "${WAIT_SECONDS:-540}"); do running || break; sleep 1; done
     cp -r "$WORK/results/$what/." "$RESULTS/"
     cat "$WORK/results/$what/$what.log"
-    if pgrep -f "two_host_path.sh $what" >/dev/null; then echo "(still running)"; exit 3; fi ;;
+    if running; then echo "(still running)"; exit 3; fi ;;
   *) echo "usage: $0 setup|capture|run|bench|fault-checkpoint|wait MODE" >&2; exit 2 ;;
 esac
