@@ -55,7 +55,7 @@ class Attempt:
     The error itself propagates unchanged, a stop or cleanup failure reported beside it.
     """
 
-    def __init__(self, rb: ReceiptBuilder, *, stop: Callable[[], list[str]] | None = None, told: str = "") -> None:
+    def __init__(self, rb: ReceiptBuilder, *, stop: Callable[[], list[str]] | None = None, told: str | Callable[[], str] = "") -> None:
         self.rb = rb
         self.running: RunningUnit | None = None
         self._stop = stop
@@ -65,9 +65,10 @@ class Attempt:
     def on_failure(self, cleanup: Callable[[], object]) -> None:
         self._cleanups.append(cleanup)
 
-    def stops(self, stop: Callable[[], list[str]], *, told: str) -> None:
+    def stops(self, stop: Callable[[], list[str]], *, told: str | Callable[[], str]) -> None:
         """From here a failure stops the units with *stop* (which the operation learned of once
-        it knew where its units run) and the message adds *told*."""
+        it knew where its units run) and the message adds *told* (a callable: asked once the
+        units are stopped, so that it may say what *stop* found)."""
         self._stop, self._told = stop, told
 
     def __enter__(self) -> Attempt:
@@ -85,8 +86,9 @@ class Attempt:
             except ColdsnapError as cleanup_err:  # reported beside the first error
                 problems.append(cleanup_err.message)
         if isinstance(err, ColdsnapError):
-            if self._told:
-                err.args = ("%s; %s%s" % (err.message, self._told, " (%s)" % "; ".join(problems) if problems else ""),)
+            told = self._told() if callable(self._told) else self._told
+            if told:
+                err.args = ("%s; %s%s" % (err.message, told, " (%s)" % "; ".join(problems) if problems else ""),)
             elif problems:
                 err.args = (describe_cleanup_failure(err, ColdsnapError("; ".join(problems))),)
             if self.rb.secrets:  # the message is printed and logged too

@@ -52,6 +52,8 @@ class HostsRestore:
         self.roots: dict[str, int] = {}
         self.steps: AgentRestore | None = None
         self.done: CoordinatedRestore | None = None
+        #: what the units' logs said of errors when a failure stopped them
+        self.log_errors: list[str] = []
 
     def resolve(self, p: Preparing) -> Resolved:
         self.units = ordered(p.req.workload)
@@ -101,7 +103,7 @@ class HostsRestore:
                     pass  # the host's next operation (or gc) frees it
 
     def evict(self, prepared: PreparedRestore, attempt: Attempt) -> None:
-        attempt.stops(self._stop_restored, told=self.told)
+        attempt.stops(self._stop_restored, told=self._told)
         with prepared.receipt.phase("evict"):
             replaced = self.hosts.stop_named(self.units)
         if replaced:
@@ -113,6 +115,9 @@ class HostsRestore:
         with progress.waiting("restoring %d units, each on its host" % len(self.units)):
             self.done = restore_units(self.steps, self.units, self.roots, devices=r.driver.device_state)
         return SparkrunRanks(self.units[0].host, self.roots[self.units[0].name])
+
+    def _told(self) -> str:
+        return self.told + ("; the ranks' logs: %s" % " | ".join(self.log_errors) if self.log_errors else "")
 
     def endpoint(self, prepared: PreparedRestore) -> Endpoint:
         return rank0_endpoint(prepared.resolved, prepared.request.workload, self.hosts)
@@ -143,7 +148,10 @@ class HostsRestore:
 
     def _stop_restored(self) -> list[str]:
         """Restored trees not yet adopted as ranks ended by their process group, then every unit
-        this operation started or adopted stopped; the problems, one per unit."""
+        this operation started or adopted stopped; the problems, one per unit. What the units'
+        logs say of errors is read first: a rank that failed after its restore (a CUDA error in a
+        worker) leaves the head answering only that the engine failed."""
+        self.log_errors = self.hosts.log_errors()
         for u in self.units:
             if u.name in self.roots:
                 try:

@@ -15,6 +15,7 @@ from typing import Any
 
 from sparkrun_coldsnap.documents.request import LaunchUnit
 from sparkrun_coldsnap.errors import ColdsnapError, RestoreError, ToolError
+from sparkrun_coldsnap.host import log_cause
 from sparkrun_coldsnap.integration.transport import ClusterHosts
 
 RENDEZVOUS_TIMEOUT = 300.0  # the head imports vLLM before it binds the port: tens of seconds here
@@ -78,9 +79,15 @@ class Ranks:
 
         return self._script(host, listen_probe_cmd(port), timeout=30, check=False).returncode == 0
 
-    def log_tail(self, record: RankRecord, lines: int = 5) -> str:
+    def log_summary(self, record: RankRecord, lines: int = 400) -> str:
+        """What the rank's log says of a failure: its first and last errors, else its last lines."""
         done = self._script(record.unit.host, self.executor.logs_cmd(record.name, tail=lines), timeout=30, check=False)
-        return " | ".join(line.strip() for line in done.stdout.splitlines() if line.strip())[-600:] or "empty"
+        return log_cause.summary(done.stdout)
+
+    def log_causes(self, record: RankRecord, lines: int = 400) -> list[str]:
+        """The errors the rank's log states (first and last), none where it states none."""
+        done = self._script(record.unit.host, self.executor.logs_cmd(record.name, tail=lines), timeout=30, check=False)
+        return log_cause.causes(done.stdout)
 
     def stop_all(self) -> list[str]:
         """Stop every rank started here; the problems, if any, one per rank."""
@@ -101,7 +108,7 @@ def wait_rendezvous(ranks: Ranks, head: RankRecord, port: int, timeout: float = 
     t0 = time.monotonic()
     while not ranks.listening(head.unit.host, port):
         if not ranks.alive(head):
-            raise RestoreError("%s (%s) on host %s exited before it opened the rendezvous port %d; its log: %s" % (head.unit.name, head.name, head.unit.host, port, ranks.log_tail(head)))
+            raise RestoreError("%s (%s) on host %s exited before it opened the rendezvous port %d; its log: %s" % (head.unit.name, head.name, head.unit.host, port, ranks.log_summary(head)))
         if time.monotonic() - t0 > timeout:
             raise RestoreError("%s on host %s did not open the rendezvous port %d in %.0f s" % (head.unit.name, head.unit.host, port, timeout))
         time.sleep(1.0)
@@ -109,12 +116,12 @@ def wait_rendezvous(ranks: Ranks, head: RankRecord, port: int, timeout: float = 
 
 
 def dead_ranks(ranks: Ranks) -> list[str]:
-    """The ranks that had exited, named with their host and the end of their log."""
+    """The ranks that had exited, named with their host and what their log says of why."""
     out = []
     for record in ranks.started:
         try:
             if not ranks.alive(record):
-                out.append("%s on host %s exited: %s" % (record.unit.name, record.unit.host, ranks.log_tail(record)))
+                out.append("%s on host %s exited: %s" % (record.unit.name, record.unit.host, ranks.log_summary(record)))
         except ColdsnapError as err:
             out.append("%s on host %s: %s" % (record.unit.name, record.unit.host, err))
     return out

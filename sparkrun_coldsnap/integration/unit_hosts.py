@@ -94,6 +94,17 @@ class SparkrunUnitHosts:
     def dead_units(self) -> list[str]:
         return dead_ranks(self.ranks)
 
+    def log_errors(self) -> list[str]:
+        out = []
+        for record in self.ranks.started:
+            try:
+                found = self.ranks.log_causes(record)
+            except ColdsnapError:
+                continue  # a host that does not answer now: the failure itself says so
+            if found:
+                out.append("%s on host %s: %s" % (record.unit.name, record.unit.host, " ... ".join(found)))
+        return out
+
     def root_pid(self, unit: LaunchUnit) -> int:
         pid = self.call(unit, RootStep(name=self.ranks.name_of(unit)), timeout=60).pid
         if not pid:

@@ -46,7 +46,12 @@ class UnitHosts(Protocol):
         ...
 
     def dead_units(self) -> list[str]:
-        """The units that exited, each named with its host and the end of its log."""
+        """The units that exited, each named with its host and what its log says of why."""
+        ...
+
+    def log_errors(self) -> list[str]:
+        """The errors the log of each unit started or restored here states (its first and
+        last), each named with its unit and host; none where a log states none."""
         ...
 
     def root_pid(self, unit: LaunchUnit) -> int:

@@ -105,6 +105,9 @@ class FakeUnitHosts:
     def dead_units(self) -> list[str]:
         return []
 
+    def log_errors(self) -> list[str]:
+        return []  # FAKE hosts run no engine: no log states an error
+
     def fetch(self, unit: LaunchUnit, remote: str, local: Path, *, digest: str, size: int, tick: Tick | None = None) -> None:
         raise AssertionError("FAKE hosts hold no files (%s of %s)" % (remote, unit.name))
 
