@@ -6,8 +6,10 @@ off). Then the CUDA half of a cut across both (cuda_cut_two_hosts.py: every proc
 checkpointed, restored, unlocked) while they wait, and each does the same work again and
 says whether its results are still right. Without ``--nccl`` the two are independent: that
 separates what the checkpoint does to two contexts on one GPU from what it does to NCCL.
+With ``--reinit`` each rank destroys its communicator before the cut and creates a new one
+after it, as a driver that does not keep communicators across the cut would.
 
-  PYTHONPATH=$WORK/plugin-site python3 benchmarks/gpu/nccl_cut.py [--nccl] [--env NAME=VALUE ...]
+  PYTHONPATH=$WORK/plugin-site python3 benchmarks/gpu/nccl_cut.py [--nccl [--reinit]] [--env NAME=VALUE ...]
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from cuda_cut_two_hosts import cut
 RANK = r"""
 import os, sys, torch
 nccl = os.environ["WITH_NCCL"] == "1"
+reinit = os.environ["REINIT"] == "1"
 rank = int(os.environ["RANK"])
 torch.cuda.set_device(0)
 if nccl:
@@ -46,8 +49,13 @@ def work(when):
     print(line, flush=True)
 
 work("before")
+if nccl and reinit:
+    dist.destroy_process_group()
+    torch.cuda.synchronize()
 print("READY", flush=True)
 sys.stdin.readline()
+if nccl and reinit:
+    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:%d" % (int(os.environ["PORT"]) + 1), rank=rank, world_size=2)
 work("after")
 """
 
@@ -55,6 +63,7 @@ work("after")
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nccl", action="store_true")
+    ap.add_argument("--reinit", action="store_true", help="destroy the communicator before the cut, create a new one after it")
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for both ranks")
     ap.add_argument("--port", type=int, default=29544)
     a = ap.parse_args()
@@ -62,7 +71,7 @@ def main() -> int:
     procs = []
     for rank in (0, 1):
         env = {
-            **os.environ, "RANK": str(rank), "PORT": str(a.port), "WITH_NCCL": "1" if a.nccl else "0", "CUDA_VISIBLE_DEVICES": "0",
+            **os.environ, "RANK": str(rank), "PORT": str(a.port), "WITH_NCCL": "1" if a.nccl else "0", "REINIT": "1" if a.reinit else "0", "CUDA_VISIBLE_DEVICES": "0",
             "NCCL_HOSTID": "coldsnap-host-%d" % rank, "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1",
             "NCCL_NVLS_ENABLE": "0", "NCCL_SOCKET_IFNAME": "lo", **extra,
         }  # fmt: skip
@@ -74,7 +83,7 @@ def main() -> int:
             lines.append(line.rstrip())
             if line.startswith("READY"):
                 break
-    report = {"nccl": a.nccl, "env": extra, "cut": cut([p.pid for p in procs])}
+    report = {"nccl": a.nccl, "reinit": a.reinit, "env": extra, "cut": cut([p.pid for p in procs])}
     for p in procs:
         assert p.stdin is not None
         p.stdin.write("go\n")
