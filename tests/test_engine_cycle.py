@@ -100,6 +100,9 @@ def test_capture_wrote_a_verified_capsule_and_receipt(captured, sparkrun):
     assert doc["manifest"]["artifactType"] == media.ARTIFACT_TYPE
     assert doc["config"]["weights"]["location"] == "in-image"
     assert doc["config"]["validation"]["reply"] == receipt["validation"]["reply"]
+    # The token oracle's record: the engine returned each of the 16 tokens' id and log-probability.
+    tokens = doc["config"]["validation"]["tokens"]
+    assert tokens == receipt["validation"]["tokens"] and len(tokens["ids"]) == len(tokens["logprobs"]) == 16, tokens
     assert all(l["annotations"][media.A_TITLE] for l in doc["manifest"]["layers"])
     assert "layers verified" in sparkrun.coldsnap("verify", "tiny", "--store", str(store)).stdout
     # The room check's estimate, taken before the dump, is near what CRIU wrote (before the
@@ -128,6 +131,11 @@ def test_sparkrun_run_restores_status_shows_stop_stops(captured, sparkrun, tmp_p
     r = json.loads(receipts[-1].read_text())
     assert r["state"] == "succeeded" and r["validation"]["passed"] and r["validation"]["ttft_seconds"] > 0
     assert r["capsule"] == receipt["capsule"]
+    # The token oracle: the same 16 token ids, every log-probability within the default tolerance.
+    check = r["validation"]["token_check"]
+    assert check["oracle"] == "tokens" and check["tokens"] == 16 and check["ids_equal"] and check["first_mismatch"] is None, check
+    assert check["max_abs_logprob_delta"] <= check["tolerance"] == 1e-3, check
+    assert r["validation"]["tokens"]["ids"] == receipt["validation"]["tokens"]["ids"]
     tiles_given_back(r["details"])
     # Preparation made sure CRIU would not probe the kernel on the restore's clock.
     assert r["details"]["restore_tools"].get("record") in ("kept by CRIU", "kept", "made"), r["details"]
@@ -285,6 +293,31 @@ def republish_with(store: Path, **fingerprint) -> None:
     config_desc = cs.put_json(cfg.model_dump(mode="json"), media.CONFIG_MEDIA_TYPE)
     manifest = capsule_mod.build_manifest(config_desc, cap.layers, cfg)
     cs.tag("tiny:latest", cs.put_json(manifest, media.OCI_MANIFEST, artifact_type=media.ARTIFACT_TYPE))
+
+
+def test_a_restore_whose_log_probability_differs_from_the_record_is_refused_with_its_own_code(captured, sparkrun, tmp_path):
+    """The capsule republished (valid digests) with one recorded log-probability moved by 0.01: the
+    restored engine replies the recorded text in the recorded tokens, and the oracle refuses it."""
+    store, _, receipt = captured
+    s = copy_store(store, tmp_path)
+    cs = CapsuleStore(s)
+    cap = capsule_mod.open_capsule(cs, "tiny")
+    recorded = cap.config.validation.tokens
+    assert recorded is not None
+    moved = recorded.model_copy(update={"logprobs": (recorded.logprobs[0], recorded.logprobs[1] + 0.01, *recorded.logprobs[2:])})
+    cfg = cap.config.model_copy(update={"validation": cap.config.validation.model_copy(update={"tokens": moved})})
+    config_desc = cs.put_json(cfg.model_dump(mode="json"), media.CONFIG_MEDIA_TYPE)
+    cs.tag("tiny:latest", cs.put_json(capsule_mod.build_manifest(config_desc, cap.layers, cfg), media.OCI_MANIFEST, artifact_type=media.ARTIFACT_TYPE))
+    recipe = recipe_with_store(tmp_path, s, extra="  on_missing: fail\n")
+    cp = sparkrun.coldsnap("restore", str(recipe), "-H", "localhost", "--receipt", str(tmp_path / "r.json"), check=False)
+    assert cp.returncode != 0 and "log-probabilities differ" in cp.stderr + cp.stdout, (cp.stderr + cp.stdout)[-2000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["state"] == "failed" and r["error"]["code"] == "validation.logprobs" and r["error"]["phase"] == "validate", r["error"]
+    v = r["validation"]
+    assert v["reply"] == receipt["validation"]["reply"] == v["expected_reply"] and not v["passed"]
+    assert v["token_check"]["ids_equal"] and v["token_check"]["first_mismatch"] == 1 and 0.009 < v["token_check"]["max_abs_logprob_delta"] < 0.011, v
+    wait_gone()
+    assert not list((s / ".staging").glob("*")) and not list(Path("/dev/shm/coldsnap-staging").glob("restore-*"))
 
 
 def test_incompatible_fingerprint_names_every_mismatch_and_keeps_the_old_workload(captured, sparkrun, tmp_path):
