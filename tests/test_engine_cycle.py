@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import time
@@ -211,6 +212,72 @@ def test_a_second_run_replaces_the_first_which_serves_until_the_new_one_is_stage
     finally:
         sparkrun("stop", str(recipe), "-H", "localhost")
         wait_gone()
+
+
+def replace_interrupted(sparkrun: Sparkrun, recipe: Path, signals: list[tuple[str, signal.Signals]]) -> tuple[int, str]:
+    """`sparkrun run` of *recipe* again, sent each signal of *signals* as soon as a line holding
+    its text is printed; its exit status and output."""
+    run = sparkrun.popen("run", str(recipe), "-H", "localhost", "--no-follow")
+    assert run.stdout is not None
+    lines, waiting = [], list(signals)
+    for line in run.stdout:
+        lines.append(line)
+        if waiting and waiting[0][0] in line:
+            run.send_signal(waiting.pop(0)[1])
+    return run.wait(timeout=300), "".join(lines)
+
+
+def test_an_interrupted_replacement_leaves_the_host_serving_or_says_what_was_stopped(captured, sparkrun):
+    """SIGINT, then SIGTERM, right after the new capsule is staged (before the old workload is
+    stopped): the restore is finished and serves, exit 130. Two signals, the second once the old
+    workload is being stopped: the restore is abandoned, and a receipt and one line say what was
+    stopped and what to run."""
+    store, recipe, receipt = captured
+    sparkrun("run", str(recipe), "-H", "localhost", "--no-follow")
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old = {p.pid for p in engine_processes()}
+            rc, out = replace_interrupted(sparkrun, recipe, [("admitted and staged", sig)])
+            assert rc == 130, out[-3000:]
+            assert "%s received while restoring tiny:latest" % sig.name in out and "which was finished" in out, out[-3000:]
+            new = {p.pid for p in engine_processes()}
+            assert new and not (new & old), out[-3000:]
+            assert ask() == receipt["validation"]["reply"]
+            assert sparkrun("status", "-H", "localhost").stdout.count("Up (pid") == 1
+            done = json.loads(sorted((store / "receipts" / "tiny").glob("*-restore.json"))[-1].read_text())
+            assert done["state"] == "succeeded" and done["validation"]["token_check"]["ids_equal"], done
+        rc, out = replace_interrupted(sparkrun, recipe, [("admitted and staged", signal.SIGINT), ("stopping the workload this run replaces", signal.SIGINT)])
+        assert rc == 130, out[-3000:]
+        said = [l for l in out.splitlines() if "was abandoned" in l]
+        assert len(said) == 1 and "nothing serves" in said[0] and "was stopped before the restore" in said[0] and "`sparkrun run %s` starts it again" % recipe in said[0], out[-3000:]
+        wait_gone()
+        with pytest.raises(requests.ConnectionError):
+            ask()
+        failed = json.loads(sorted((store / "receipts" / "tiny").glob("*-restore.json"))[-1].read_text())
+        assert failed["state"] == "failed" and failed["error"]["code"] == "restore.interrupted" and "(pid " in failed["details"]["replaced_workload"], failed
+        assert not list((store / ".staging").glob("restore-*")) and not list(Path("/dev/shm/coldsnap-staging").glob("restore-*"))
+    finally:
+        sparkrun("stop", str(recipe), "-H", "localhost", check=False)
+        wait_gone()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_capture_exits_130_and_leaves_nothing(sparkrun, tmp_path, sig):
+    require_engine()
+    store = tmp_path / "store"
+    recipe = recipe_with_store(tmp_path, store)
+    run = sparkrun.popen("coldsnap", "capture", str(recipe), "-H", "localhost")
+    assert run.stdout is not None
+    lines = []
+    for line in run.stdout:
+        lines.append(line)
+        if "waiting for vllm to answer" in line:
+            run.send_signal(sig)
+    out = "".join(lines)
+    assert run.wait(timeout=120) == 130 and "Interrupted." in out, out[-3000:]
+    wait_gone()
+    assert not (store / ".staging").exists() or [p.name for p in (store / ".staging").iterdir() if p.name not in ("uploads", "downloads")] == []
+    assert "tiny" not in sparkrun.coldsnap("list", "--store", str(store), check=False).stdout
 
 
 def test_one_capsule_restores_twice_at_once_on_two_ports(captured, sparkrun, tmp_path):
