@@ -102,12 +102,12 @@ class Strategy:
         # or installed by our own CLI when it drives sparkrun in-process).
         settings = settings_mod.current()
         run: RecipeRun | None = None
-        _INTERRUPTS.install()  # until activation ends: SIGTERM unwinds as SIGINT does
         try:
             run = recipe_run(context)
             store, repository = run.store, run.block.capsule.repository
             if opts.dry_run:
                 return DryRun(describe_plan(restore_request(context, run.block), store, repository).text)
+            _INTERRUPTS.install()  # until activation ends: SIGTERM unwinds as SIGINT does
             missing, pull_error = _pull_if_missing(context, run)
             req = restore_request(context, run.block)  # after the pull: the model directory may exist now
             multi = len(req.workload.topology.units) > 1
@@ -142,7 +142,7 @@ class Strategy:
             plan = api.prepare(req, store=store, settings=settings, progress=Progress(), replacing=replacing)
             # An interrupt in sparkrun's own steps before activation ends the process there:
             # what was staged goes with it (a no-op once activation took the preparation).
-            atexit.register(plan.discard)
+            atexit.register(_drop_at_exit, plan)
             if plan.refused is not None:
                 _write_receipt(context, plan.refused, run)
             if plan.prepared is not None:
@@ -151,7 +151,7 @@ class Strategy:
                     _say("the workload this run replaces (pid %d) holds what the restore needs (%s): it is stopped next, before the restore" % (old_root or 0, "; ".join(plan.prepared.held_by_replaced)))
             return plan
         except ColdsnapError as err:
-            _INTERRUPTS.uninstall()
+            _INTERRUPTS.uninstall()  # no activation follows
             if "req" in locals():
                 run_hooks.failed(req)
             _write_failure_receipt(context, err, run)
@@ -164,18 +164,18 @@ class Strategy:
     def activate(self, context: Any, state: Any) -> Any:
         from sparkrun.plugins import ActivationResult
 
-        if isinstance(state, DryRun):
-            if state.text != "planning only":
-                _say(state.text)
-            return ActivationResult(rc=0, runtime_info={"coldsnap": "dry-run"})
         from sparkrun_coldsnap.integration.unit_operations import UnitsPlan
 
         try:
+            if isinstance(state, DryRun):
+                if state.text != "planning only":
+                    _say(state.text)
+                return ActivationResult(rc=0, runtime_info={"coldsnap": "dry-run"})
             run = recipe_run(context)
             if isinstance(state, UnitsPlan):
                 return self._activate_units(context, state, run)
             plan: api.Plan = state
-            atexit.unregister(plan.discard)
+            atexit.unregister(_drop_at_exit)
             if len(plan.request.workload.topology.units) > 1 and plan.prepared is None:
                 return self._start_distributed(context, plan, run)
             return self._activate_here(context, plan, run)
@@ -196,10 +196,14 @@ class Strategy:
         prepared = plan.prepared
         what = ("restoring %s" % plan.request.capsule.ref) if prepared is not None else "starting the engine"
         stopped: str | None = None
+        replaced: tuple[str, int] | None = None
+        out: Any = None
         try:
             with _INTERRUPTS.committed(what) if prepared is not None else contextlib.nullcontext():
-                if local and not (prepared is not None and prepared.restored_ahead):
-                    stopped = _stop_replaced(name)  # (a tree restored ahead is recorded under the name: it is this workload)
+                replaced = _replaced(name) if local and not (prepared is not None and prepared.restored_ahead) else None
+                if replaced is not None:  # (a tree restored ahead is recorded under the name: it is this workload)
+                    stopped = "%s (pid %d)" % replaced
+                    _stop_replaced(name, *replaced)
                 try:
                     done = api.activate(plan, log_path=log_path, on_started=(lambda pid: _register(name, pid)) if local else None, progress=Progress(), on_note=_say)
                 except ColdsnapError as err:
@@ -216,16 +220,24 @@ class Strategy:
                 if local:
                     register_local(name, out.root_pid)  # containers carry sparkrun's name and labels instead
                 written = _write_receipt(context, out.receipt, run)
+                opts = context.execution.options
+                recipe = opts.recipe if isinstance(opts.recipe, str) else source_of(opts.recipe)
+                run_hooks.activated(
+                    plan.request, out.receipt, out.root_pid, recipe=str(Path(recipe).resolve()) if Path(recipe).is_file() else recipe, hosts=opts.hosts,
+                    cluster=opts.cluster if isinstance(opts.cluster, str | None) else getattr(opts.cluster, "name", None), overrides=dict(opts.overrides or {}),
+                    store=plan.store, receipt_path=written,
+                )  # fmt: skip
         except KeyboardInterrupt as interrupt:
+            if out is not None:  # it came once the workload was up: it serves
+                _say("%s came after the restore finished: %s serves (pid %d); `sparkrun stop %s` stops it" % (str(interrupt) or "SIGINT", name, out.root_pid, recipe_text))
+                raise
+            if replaced is not None:
+                # Abandoned while the replaced workload was being stopped: it is stopped, as said.
+                from sparkrun_coldsnap.host.process_tree import kill_tree
+
+                kill_tree(replaced[1], grace=10.0)
             _abandoned(context, run, plan, prepared, stopped, name, recipe_text, interrupt)
             raise
-        opts = context.execution.options
-        recipe = opts.recipe if isinstance(opts.recipe, str) else source_of(opts.recipe)
-        run_hooks.activated(
-            plan.request, out.receipt, out.root_pid, recipe=str(Path(recipe).resolve()) if Path(recipe).is_file() else recipe, hosts=opts.hosts,
-            cluster=opts.cluster if isinstance(opts.cluster, str | None) else getattr(opts.cluster, "name", None), overrides=dict(opts.overrides or {}), store=plan.store,
-            receipt_path=written,
-        )  # fmt: skip
         if _INTERRUPTS.pending is not None:
             _say("%s came during the restore, which was finished: %s serves from capsule %s (pid %d); `sparkrun stop %s` stops it" % (
                 signal.Signals(_INTERRUPTS.pending).name, name, plan.request.capsule.ref, out.root_pid, recipe_text))  # fmt: skip
@@ -294,8 +306,18 @@ def _replaced_tree(req: RestoreRequest) -> tuple[int | None, frozenset[int]]:
     return (pid, frozenset(tree_pids(pid))) if pid else (None, frozenset())
 
 
-def _stop_replaced(name: str) -> str | None:
-    """Stop the host-process workload this run replaces, now that the new one is staged.
+def _replaced(name: str) -> tuple[str, int] | None:
+    """The host-process workload this run replaces, by its record name and root PID, if any."""
+    from sparkrun_coldsnap.integration.records import registered_pid, replaced_workload
+
+    old = replaced_workload(name)
+    pid = registered_pid(old) if old else None
+    return (old, pid) if old is not None and pid is not None else None
+
+
+def _stop_replaced(name: str, old: str, pid: int) -> None:
+    """Stop the host-process workload this run replaces (*old*, root *pid*), now that the new
+    one is staged.
 
     sparkrun's eviction leaves a workload that keeps its name (the same recipe run again) to
     its runtime's own launch, which removes it by name first; a strategy replaces that launch,
@@ -304,17 +326,20 @@ def _stop_replaced(name: str) -> str | None:
     same intent recorded here under its old name is the one replaced, and its record goes.
     """
     from sparkrun_coldsnap.host.process_tree import kill_tree
-    from sparkrun_coldsnap.integration.records import registered_pid, replaced_workload, unregister_local
+    from sparkrun_coldsnap.integration.records import unregister_local
 
-    old = replaced_workload(name)
-    pid = registered_pid(old) if old else None
-    if old is None or pid is None:
-        return None
     _say("stopping the workload this run replaces (pid %d%s), now that the new one is staged" % (pid, "" if old == name else ", %s" % old))
     kill_tree(pid, grace=10.0)
     if old != name:
         unregister_local(old)
-    return "%s (pid %d)" % (old, pid)
+
+
+def _drop_at_exit(plan: api.Plan) -> None:
+    """The process ends between preparation and activation (an interrupt in sparkrun's own
+    steps): nothing was stopped; what was staged goes."""
+    if plan.prepared is not None:
+        plan.discard()
+        _say("ended before activation: nothing was stopped (the workload this run would replace, if any, serves on) and what was staged is dropped")
 
 
 def _recipe_text(context: Any) -> str:
