@@ -25,6 +25,7 @@ class Interrupts:
     Python cannot take signals, and nothing is changed)."""
 
     def __init__(self, say: Callable[[str], None]) -> None:
+        """*say*: how a held or abandoning signal is told, from the handler (so no buffered I/O)."""
         self._say = say
         self._previous: dict[int, Any] = {}
         self._committed: str | None = None

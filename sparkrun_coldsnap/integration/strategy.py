@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import os
 import signal
 import sys
 from collections.abc import Mapping
@@ -57,8 +58,14 @@ def _say(text: str) -> None:
     print("[coldsnap] " + text, file=sys.stderr, flush=True)
 
 
+def _say_in_handler(text: str) -> None:
+    # From a signal handler: straight to the descriptor, never into a buffered write the
+    # interrupted code may be inside of.
+    os.write(2, ("[coldsnap] %s\n" % text).encode(errors="replace"))
+
+
 #: SIGINT and SIGTERM from preparation to the end of activation (sparkrun runs one at a time)
-_INTERRUPTS = Interrupts(_say)
+_INTERRUPTS = Interrupts(_say_in_handler)
 
 
 def asset_policy():
