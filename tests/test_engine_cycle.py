@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import time
@@ -100,6 +101,9 @@ def test_capture_wrote_a_verified_capsule_and_receipt(captured, sparkrun):
     assert doc["manifest"]["artifactType"] == media.ARTIFACT_TYPE
     assert doc["config"]["weights"]["location"] == "in-image"
     assert doc["config"]["validation"]["reply"] == receipt["validation"]["reply"]
+    # The token oracle's record: the engine returned each of the 16 tokens' id and log-probability.
+    tokens = doc["config"]["validation"]["tokens"]
+    assert tokens == receipt["validation"]["tokens"] and len(tokens["ids"]) == len(tokens["logprobs"]) == 16, tokens
     assert all(l["annotations"][media.A_TITLE] for l in doc["manifest"]["layers"])
     assert "layers verified" in sparkrun.coldsnap("verify", "tiny", "--store", str(store)).stdout
     # The room check's estimate, taken before the dump, is near what CRIU wrote (before the
@@ -128,6 +132,11 @@ def test_sparkrun_run_restores_status_shows_stop_stops(captured, sparkrun, tmp_p
     r = json.loads(receipts[-1].read_text())
     assert r["state"] == "succeeded" and r["validation"]["passed"] and r["validation"]["ttft_seconds"] > 0
     assert r["capsule"] == receipt["capsule"]
+    # The token oracle: the same 16 token ids, every log-probability within the default tolerance.
+    check = r["validation"]["token_check"]
+    assert check["oracle"] == "tokens" and check["tokens"] == 16 and check["ids_equal"] and check["first_mismatch"] is None, check
+    assert check["max_abs_logprob_delta"] <= check["tolerance"] == 1e-3, check
+    assert r["validation"]["tokens"]["ids"] == receipt["validation"]["tokens"]["ids"]
     tiles_given_back(r["details"])
     # Preparation made sure CRIU would not probe the kernel on the restore's clock.
     assert r["details"]["restore_tools"].get("record") in ("kept by CRIU", "kept", "made"), r["details"]
@@ -203,6 +212,79 @@ def test_a_second_run_replaces_the_first_which_serves_until_the_new_one_is_stage
     finally:
         sparkrun("stop", str(recipe), "-H", "localhost")
         wait_gone()
+
+
+def replace_interrupted(sparkrun: Sparkrun, recipe: Path, signals: list[tuple[str, signal.Signals]]) -> tuple[int, str]:
+    """`sparkrun run` of *recipe* again, sent each signal of *signals* as soon as a line holding
+    its text is printed; its exit status and output."""
+    run = sparkrun.popen("run", str(recipe), "-H", "localhost", "--no-follow")
+    assert run.stdout is not None
+    lines, waiting = [], list(signals)
+    for line in run.stdout:
+        lines.append(line)
+        if waiting and waiting[0][0] in line:
+            run.send_signal(waiting.pop(0)[1])
+    return run.wait(timeout=300), "".join(lines)
+
+
+def test_an_interrupted_replacement_leaves_the_host_serving_or_says_what_was_stopped(captured, sparkrun):
+    """SIGINT or SIGTERM right after the new capsule is staged: before the old workload is stopped
+    the run ends there and the old one serves on, after that the restore is finished and the new
+    one serves (which of the two, the line printed says), exit 130 either way. Sent while the old
+    workload is being stopped: the restore is finished. Two signals, the second while the old
+    workload is being stopped: the restore is abandoned, and a receipt and one line say what was
+    stopped and what to run."""
+    store, recipe, receipt = captured
+    sparkrun("run", str(recipe), "-H", "localhost", "--no-follow")
+    staged, stopping = "admitted and staged", "stopping the workload this run replaces"
+    try:
+        for when, sig in ((staged, signal.SIGINT), (staged, signal.SIGTERM), (stopping, signal.SIGINT), (stopping, signal.SIGTERM)):
+            old = {p.pid for p in engine_processes()}
+            rc, out = replace_interrupted(sparkrun, recipe, [(when, sig)])
+            assert rc == 130, out[-3000:]
+            finished = "%s received while restoring tiny:latest" % sig.name in out and "which was finished" in out
+            assert finished or (when == staged and "nothing was stopped" in out), out[-3000:]
+            now = {p.pid for p in engine_processes()}
+            assert now and (not (now & old) if finished else now == old), out[-3000:]
+            assert ask() == receipt["validation"]["reply"]
+            assert sparkrun("status", "-H", "localhost").stdout.count("Up (pid") == 1
+            if finished:
+                done = json.loads(sorted((store / "receipts" / "tiny").glob("*-restore.json"))[-1].read_text())
+                assert done["state"] == "succeeded" and done["validation"]["token_check"]["ids_equal"], done
+            else:  # what was staged is dropped
+                assert not list((store / ".staging").glob("restore-*")) and not list(Path("/dev/shm/coldsnap-staging").glob("restore-*"))
+        rc, out = replace_interrupted(sparkrun, recipe, [(stopping, signal.SIGINT), ("SIGINT received while restoring", signal.SIGINT)])
+        assert rc == 130, out[-3000:]
+        said = [l for l in out.splitlines() if "was abandoned" in l]
+        assert len(said) == 1 and "nothing serves" in said[0] and "was stopped before the restore" in said[0] and "`sparkrun run %s` starts it again" % recipe in said[0], out[-3000:]
+        wait_gone()
+        with pytest.raises(requests.ConnectionError):
+            ask()
+        failed = json.loads(sorted((store / "receipts" / "tiny").glob("*-restore.json"))[-1].read_text())
+        assert failed["state"] == "failed" and failed["error"]["code"] == "restore.interrupted" and "(pid " in failed["details"]["replaced_workload"], failed
+        assert not list((store / ".staging").glob("restore-*")) and not list(Path("/dev/shm/coldsnap-staging").glob("restore-*"))
+    finally:
+        sparkrun("stop", str(recipe), "-H", "localhost", check=False)
+        wait_gone()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_capture_exits_130_and_leaves_nothing(sparkrun, tmp_path, sig):
+    require_engine()
+    store = tmp_path / "store"
+    recipe = recipe_with_store(tmp_path, store)
+    run = sparkrun.popen("coldsnap", "capture", str(recipe), "-H", "localhost")
+    assert run.stdout is not None
+    lines = []
+    for line in run.stdout:
+        lines.append(line)
+        if "waiting for vllm to answer" in line:
+            run.send_signal(sig)
+    out = "".join(lines)
+    assert run.wait(timeout=120) == 130 and "Interrupted." in out, out[-3000:]
+    wait_gone()
+    assert not (store / ".staging").exists() or [p.name for p in (store / ".staging").iterdir() if p.name not in ("uploads", "downloads")] == []
+    assert "tiny" not in sparkrun.coldsnap("list", "--store", str(store), check=False).stdout
 
 
 def test_one_capsule_restores_twice_at_once_on_two_ports(captured, sparkrun, tmp_path):
@@ -285,6 +367,31 @@ def republish_with(store: Path, **fingerprint) -> None:
     config_desc = cs.put_json(cfg.model_dump(mode="json"), media.CONFIG_MEDIA_TYPE)
     manifest = capsule_mod.build_manifest(config_desc, cap.layers, cfg)
     cs.tag("tiny:latest", cs.put_json(manifest, media.OCI_MANIFEST, artifact_type=media.ARTIFACT_TYPE))
+
+
+def test_a_restore_whose_log_probability_differs_from_the_record_is_refused_with_its_own_code(captured, sparkrun, tmp_path):
+    """The capsule republished (valid digests) with one recorded log-probability moved by 0.01: the
+    restored engine replies the recorded text in the recorded tokens, and the oracle refuses it."""
+    store, _, receipt = captured
+    s = copy_store(store, tmp_path)
+    cs = CapsuleStore(s)
+    cap = capsule_mod.open_capsule(cs, "tiny")
+    recorded = cap.config.validation.tokens
+    assert recorded is not None
+    moved = recorded.model_copy(update={"logprobs": (recorded.logprobs[0], recorded.logprobs[1] + 0.01, *recorded.logprobs[2:])})
+    cfg = cap.config.model_copy(update={"validation": cap.config.validation.model_copy(update={"tokens": moved})})
+    config_desc = cs.put_json(cfg.model_dump(mode="json"), media.CONFIG_MEDIA_TYPE)
+    cs.tag("tiny:latest", cs.put_json(capsule_mod.build_manifest(config_desc, cap.layers, cfg), media.OCI_MANIFEST, artifact_type=media.ARTIFACT_TYPE))
+    recipe = recipe_with_store(tmp_path, s, extra="  on_missing: fail\n")
+    cp = sparkrun.coldsnap("restore", str(recipe), "-H", "localhost", "--receipt", str(tmp_path / "r.json"), check=False)
+    assert cp.returncode != 0 and "log-probabilities differ" in cp.stderr + cp.stdout, (cp.stderr + cp.stdout)[-2000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["state"] == "failed" and r["error"]["code"] == "validation.logprobs" and r["error"]["phase"] == "validate", r["error"]
+    v = r["validation"]
+    assert v["reply"] == receipt["validation"]["reply"] == v["expected_reply"] and not v["passed"]
+    assert v["token_check"]["ids_equal"] and v["token_check"]["first_mismatch"] == 1 and 0.009 < v["token_check"]["max_abs_logprob_delta"] < 0.011, v
+    wait_gone()
+    assert not list((s / ".staging").glob("*")) and not list(Path("/dev/shm/coldsnap-staging").glob("restore-*"))
 
 
 def test_incompatible_fingerprint_names_every_mismatch_and_keeps_the_old_workload(captured, sparkrun, tmp_path):

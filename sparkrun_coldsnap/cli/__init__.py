@@ -18,6 +18,7 @@ import click
 
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.errors import ColdsnapError, coldsnap_cause
+from sparkrun_coldsnap.host import interrupts
 
 
 class _Group(click.Group):
@@ -31,7 +32,9 @@ class _Group(click.Group):
         if (ctx.params or {}).get("debug"):
             _debug_on()
         try:
-            return super().invoke(ctx)
+            # SIGTERM unwinds a verb as Ctrl-C does: what it started is stopped, its staging dropped.
+            with interrupts.as_interrupt():
+                return super().invoke(ctx)
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
             raise
         except ColdsnapError as err:

@@ -228,7 +228,7 @@ def capsule_config(
         fingerprint=fingerprint,
         engine=EngineRecord(name=w.engine, version=r.adapter.version(r.facts.packages) if r.facts else None),
         driver=r.driver.name,
-        validation=CapturedValidation(prompt=req.validation.prompt, max_tokens=req.validation.max_tokens, reply=validation.reply or "", request_ttft_seconds=validation.request_ttft_seconds),
+        validation=CapturedValidation(prompt=req.validation.prompt, max_tokens=req.validation.max_tokens, reply=validation.reply or "", request_ttft_seconds=validation.request_ttft_seconds, tokens=validation.tokens),
         weights=WeightsRecord(location="in-image" if r.driver.weights_in_image else "external", model_id=w.model.id, revision=w.model.revision, files=recorded_files, native=native),
         units=units,
     )

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from sparkrun_coldsnap import secrets
 from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder, Validation
 from sparkrun_coldsnap.documents.request import CaptureRequest, RestoreRequest, Workload
+from sparkrun_coldsnap.documents.tokens import TokenRecord
 from sparkrun_coldsnap.engines.base import Endpoint
 from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, RequestError, describe_cleanup_failure
 from sparkrun_coldsnap.launch.base import RunningUnit
@@ -111,12 +112,13 @@ class Attempt:
 
 
 def validate(r: Resolved, endpoint: Endpoint, req: CaptureRequest | RestoreRequest, t0: float, expected: str | None) -> Validation:
-    """One streamed chat completion; the first token is timed from *t0*."""
+    """One streamed chat completion; the first token is timed from *t0*; its tokens recorded when the engine returned them."""
     v = req.validation
     reply = r.adapter.validate(endpoint, prompt=v.prompt, max_tokens=v.max_tokens, timeout=v.timeout_seconds)
     ttft = (reply.first_token_at - t0) if reply.first_token_at is not None else None
     passed = expected is None or reply.text == expected
-    return Validation(passed=passed, ttft_seconds=ttft, request_ttft_seconds=reply.request_ttft, reply=reply.text, expected_reply=expected)
+    tokens = TokenRecord(ids=reply.token_ids, logprobs=reply.logprobs) if reply.has_tokens else None
+    return Validation(passed=passed, ttft_seconds=ttft, request_ttft_seconds=reply.request_ttft, reply=reply.text, expected_reply=expected, tokens=tokens)
 
 
 def wait_ready(r: Resolved, endpoint: Endpoint, unit: RunningUnit, rb: ReceiptBuilder, progress: Progress, timeout: float) -> None:

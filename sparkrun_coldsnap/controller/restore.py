@@ -9,7 +9,8 @@ it runs.
 
 Activate: the workload being replaced out of the way; every unit restored (at once, at the
 captured cut, when there are several); the weights brought back; the engine ready; the reply
-checked against the one recorded at capture. Any failure stops what the restore brought back;
+checked against the one recorded at capture, token by token where the capsule recorded its tokens
+(``oracle.py``). Any failure stops what the restore brought back;
 what preparation staged is dropped either way.
 
 How each step reaches the units is a :class:`RestoreUnits`: ``restore_here.HereRestore`` (one
@@ -27,13 +28,14 @@ from typing import Protocol
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
 from sparkrun_coldsnap.capsule.capsule import Capsule
 from sparkrun_coldsnap.capsule.store import CapsuleStore
+from sparkrun_coldsnap.controller import oracle
 from sparkrun_coldsnap.controller.common import Attempt, ServingOutcome, finish, validate
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder, Weights
 from sparkrun_coldsnap.documents.request import RestoreRequest
 from sparkrun_coldsnap.documents.settings import Settings
 from sparkrun_coldsnap.engines.base import Endpoint
-from sparkrun_coldsnap.errors import CompatibilityError, ValidationError
+from sparkrun_coldsnap.errors import CompatibilityError
 from sparkrun_coldsnap.host import major_faults
 from sparkrun_coldsnap.launch.base import RunningUnit
 from sparkrun_coldsnap.progress import QUIET, Progress
@@ -177,11 +179,11 @@ def activate(prepared: PreparedRestore, *, log_path: Path | None = None, progres
                 units.weights_back(prepared, running, endpoint, progress)
                 expected = req.validation.expected_reply or cap.config.validation.reply
                 with rb.phase("validate"):
-                    validation = validate(r, endpoint, req, t0, expected)
+                    validation = oracle.judge(validate(r, endpoint, req, t0, expected), cap.config.validation, req.validation)
                 rb.validation = validation
                 rb.details["activation_major_faults"] = major_faults.of_self() - faults  # this process's waits on the disk, on the clock
                 if not validation.passed:
-                    raise ValidationError("%s replied %r, capsule %s recorded %r: the capsule does not match %s; recapture" % (units.replied, validation.reply, req.capsule.ref, expected, units.where))
+                    raise oracle.refusal(validation, replied=units.replied, ref=str(req.capsule.ref), where=units.where)
                 units.after_validation(prepared, endpoint)
             rb.details["prepare_seconds"] = round(prepared.prepare_seconds, 4)
             units.record(prepared, running)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from sparkrun_coldsnap.documents.fingerprint import Fingerprint
 from sparkrun_coldsnap.documents.request import Workload
 from sparkrun_coldsnap.documents.strict import Strict
+from sparkrun_coldsnap.documents.tokens import TokenRecord
 from sparkrun_coldsnap.documents.unit_image import UnitImage
 
 CAPSULE_FORMAT: Literal[1] = 1
@@ -39,6 +40,20 @@ class CapturedValidation(Strict):
     max_tokens: int
     reply: str
     request_ttft_seconds: float | None = None
+    tokens: TokenRecord | None = Field(
+        None,
+        description="The reply's token ids and log-probabilities, which a restore must reproduce within coldsnap.validation.logprob_tolerance; "
+        "absent when the engine returned none (and in capsules captured before they were recorded): restores then compare the text alone.",
+    )
+
+    # No return annotation: the JSON Schema stays the fields' own. A config without a token
+    # record writes back as it was read (one captured before the record existed, say).
+    @model_serializer(mode="wrap")
+    def _without_absent_tokens(self, handler: SerializerFunctionWrapHandler):
+        out = handler(self)
+        if out.get("tokens") is None:
+            out.pop("tokens", None)
+        return out
 
 
 class EngineRecord(Strict):

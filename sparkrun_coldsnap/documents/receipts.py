@@ -20,6 +20,7 @@ from pydantic import Field
 
 from sparkrun_coldsnap import __version__, secrets
 from sparkrun_coldsnap.documents.strict import Strict
+from sparkrun_coldsnap.documents.tokens import TokenCheck, TokenRecord
 from sparkrun_coldsnap.errors import ColdsnapError
 from sparkrun_coldsnap.host.atomic import write_bytes
 
@@ -39,6 +40,8 @@ class Validation(Strict):
     request_ttft_seconds: float | None = Field(None, description="Seconds from sending the validation request to its first token.")
     reply: str | None = None
     expected_reply: str | None = None
+    tokens: TokenRecord | None = Field(None, description="The reply's token ids and log-probabilities, when the engine returned them (a capture records these).")
+    token_check: TokenCheck | None = Field(None, description="At restore: the reply's tokens against the ones the capsule recorded.")
 
 
 class ErrorInfo(Strict):

@@ -13,6 +13,7 @@ from pydantic import ValidationError as PydanticValidationError
 
 from sparkrun_coldsnap.documents.capsule_ref import DEFAULT_TAG, CapsuleNameField, CapsuleRef, TagField
 from sparkrun_coldsnap.documents.strict import Strict, allowed_keys, one_line
+from sparkrun_coldsnap.documents.tokens import DEFAULT_LOGPROB_TOLERANCE
 from sparkrun_coldsnap.errors import RequestError
 
 DEFAULT_PROMPT = "Reply with one short sentence: what is a cold start?"
@@ -38,6 +39,11 @@ class ValidationSettings(Strict):
     expected_reply: str | None = Field(None, description="Reply the workload must give; by default the one recorded at capture.")
     max_tokens: int = Field(16, ge=1, le=512, description="Tokens generated (greedily) for validation.")
     timeout_seconds: float = Field(120.0, gt=0, description="Limit for the validation request.")
+    logprob_tolerance: float = Field(
+        DEFAULT_LOGPROB_TOLERANCE,
+        ge=0,
+        description="A restore must reproduce the token ids recorded at capture exactly, and each token's log-probability within this (absolute, natural log).",
+    )
 
 
 class ColdsnapBlock(Strict):

@@ -10,12 +10,13 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
 from sparkrun_coldsnap import secrets
 from sparkrun_coldsnap.digests import canonical_json, sha256_bytes
 from sparkrun_coldsnap.documents.capsule_ref import CapsuleRef
 from sparkrun_coldsnap.documents.strict import Strict
+from sparkrun_coldsnap.documents.tokens import DEFAULT_LOGPROB_TOLERANCE
 
 REQUEST_FORMAT: Literal[1] = 1
 
@@ -123,6 +124,16 @@ class ValidationSpec(Strict):
     expected_reply: str | None = None
     max_tokens: int = Field(16, ge=1, le=512)
     timeout_seconds: float = Field(120.0, gt=0)
+    logprob_tolerance: float = Field(DEFAULT_LOGPROB_TOLERANCE, ge=0, description="Largest difference allowed between a restored token's log-probability and the recorded one.")
+
+    # No return annotation: the JSON Schema stays the fields' own. At its default the tolerance
+    # is left out, so a document (and its digest) made before it existed stays the same.
+    @model_serializer(mode="wrap")
+    def _without_default_tolerance(self, handler: SerializerFunctionWrapHandler):
+        out = handler(self)
+        if out.get("logprob_tolerance") == DEFAULT_LOGPROB_TOLERANCE:
+            out.pop("logprob_tolerance", None)
+        return out
 
 
 class _WorkloadRequest(Strict):

@@ -78,6 +78,10 @@ class EngineAdapter(ABC):
     ipc_free_flags: ClassVar[tuple[str, ...]] = ()
     ipc_flags: ClassVar[tuple[str, ...]] = ()
     ipc_free_env: ClassVar[dict[str, str]] = {}
+    #: chat completion fields that make the engine return, with the validation reply, each
+    #: generated token's id and log-probability (the token oracle). vLLM and SGLang both take
+    #: these; an engine that ignores them answers without a record, and its restores compare text.
+    token_fields: ClassVar[dict[str, Any]] = {"logprobs": True, "top_logprobs": 1, "return_token_ids": True}
 
     # -- identity -------------------------------------------------------
 
@@ -104,7 +108,7 @@ class EngineAdapter(ABC):
         return wait_until_ok(endpoint.base_url + self.health_path, deadline_seconds=timeout, alive=alive, on_tick=on_tick, request_timeout=self.health_timeout)
 
     def validate(self, endpoint: Endpoint, *, prompt: str, max_tokens: int, timeout: float) -> StreamedReply:
-        reply = stream_chat(endpoint.base_url, endpoint.served_model, prompt, max_tokens=max_tokens, timeout=timeout)
+        reply = stream_chat(endpoint.base_url, endpoint.served_model, prompt, max_tokens=max_tokens, timeout=timeout, extra=self.token_fields)
         if not reply.text:
             raise EngineError("the engine at %s answered the validation prompt with an empty reply" % endpoint.base_url)
         return reply

@@ -218,7 +218,7 @@ def capsule_name_of(recipe: Any, block: ColdsnapBlock) -> CapsuleRef:
 
 def validation_of(block: ColdsnapBlock) -> ValidationSpec:
     v = block.validation
-    return ValidationSpec(prompt=v.prompt, expected_reply=v.expected_reply, max_tokens=v.max_tokens, timeout_seconds=v.timeout_seconds)
+    return ValidationSpec(prompt=v.prompt, expected_reply=v.expected_reply, max_tokens=v.max_tokens, timeout_seconds=v.timeout_seconds, logprob_tolerance=v.logprob_tolerance)
 
 
 def store_of(block: ColdsnapBlock, override: str | None = None) -> CapsuleStore:

@@ -10,7 +10,11 @@ so sparkrun's model check finds them; admission and staging happen in
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
+import os
+import signal
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,11 +24,12 @@ from sparkrun_coldsnap import api
 from sparkrun_coldsnap.capsule.capsule import open_capsule
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.documents import settings as settings_mod
-from sparkrun_coldsnap.documents.receipts import Receipt, save_failure_receipt, save_receipt
+from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder, save_failure_receipt, save_receipt
 from sparkrun_coldsnap.documents.recipe_block import ColdsnapBlock
 from sparkrun_coldsnap.documents.request import CapsuleRef, RestoreRequest
-from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, NotFoundError
+from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, NotFoundError, RestoreError
 from sparkrun_coldsnap.host import paths
+from sparkrun_coldsnap.host.interrupts import Interrupts
 from sparkrun_coldsnap.integration.placement import (
     OPT_PLAN_INTO,
     OPT_RECEIPT,
@@ -51,6 +56,16 @@ class DryRun:
 
 def _say(text: str) -> None:
     print("[coldsnap] " + text, file=sys.stderr, flush=True)
+
+
+def _say_in_handler(text: str) -> None:
+    # From a signal handler: straight to the descriptor, never into a buffered write the
+    # interrupted code may be inside of.
+    os.write(2, ("[coldsnap] %s\n" % text).encode(errors="replace"))
+
+
+#: SIGINT and SIGTERM from preparation to the end of activation (sparkrun runs one at a time)
+_INTERRUPTS = Interrupts(_say_in_handler)
 
 
 def asset_policy():
@@ -99,6 +114,7 @@ class Strategy:
             store, repository = run.store, run.block.capsule.repository
             if opts.dry_run:
                 return DryRun(describe_plan(restore_request(context, run.block), store, repository).text)
+            _INTERRUPTS.install()  # until activation ends: SIGTERM unwinds as SIGINT does
             missing, pull_error = _pull_if_missing(context, run)
             req = restore_request(context, run.block)  # after the pull: the model directory may exist now
             multi = len(req.workload.topology.units) > 1
@@ -131,6 +147,9 @@ class Strategy:
             if warm is not None:
                 return api.Plan(req, store, settings, prepared=warm)
             plan = api.prepare(req, store=store, settings=settings, progress=Progress(), replacing=replacing)
+            # An interrupt in sparkrun's own steps before activation ends the process there:
+            # what was staged goes with it (a no-op once activation took the preparation).
+            atexit.register(_drop_at_exit, plan)
             if plan.refused is not None:
                 _write_receipt(context, plan.refused, run)
             if plan.prepared is not None:
@@ -139,50 +158,97 @@ class Strategy:
                     _say("the workload this run replaces (pid %d) holds what the restore needs (%s): it is stopped next, before the restore" % (old_root or 0, "; ".join(plan.prepared.held_by_replaced)))
             return plan
         except ColdsnapError as err:
+            _INTERRUPTS.uninstall()  # no activation follows
             if "req" in locals():
                 run_hooks.failed(req)
             _write_failure_receipt(context, err, run)
             raise RuntimeError(str(err)) from None
+        except KeyboardInterrupt:
+            _INTERRUPTS.uninstall()
+            _say("interrupted while preparing: nothing was stopped and what was staged is dropped; the workload this run would replace, if any, serves on")
+            raise
 
     def activate(self, context: Any, state: Any) -> Any:
         from sparkrun.plugins import ActivationResult
 
-        if isinstance(state, DryRun):
-            if state.text != "planning only":
-                _say(state.text)
-            return ActivationResult(rc=0, runtime_info={"coldsnap": "dry-run"})
         from sparkrun_coldsnap.integration.unit_operations import UnitsPlan
 
-        run = recipe_run(context)
-        if isinstance(state, UnitsPlan):
-            return self._activate_units(context, state, run)
-        plan: api.Plan = state
-        if len(plan.request.workload.topology.units) > 1 and plan.prepared is None:
-            return self._start_distributed(context, plan, run)
+        try:
+            if isinstance(state, DryRun):
+                if state.text != "planning only":
+                    _say(state.text)
+                return ActivationResult(rc=0, runtime_info={"coldsnap": "dry-run"})
+            run = recipe_run(context)
+            if isinstance(state, UnitsPlan):
+                return self._activate_units(context, state, run)
+            plan: api.Plan = state
+            atexit.unregister(_drop_at_exit)
+            if len(plan.request.workload.topology.units) > 1 and plan.prepared is None:
+                return self._start_distributed(context, plan, run)
+            return self._activate_here(context, plan, run)
+        finally:
+            _INTERRUPTS.uninstall()
+
+    def _activate_here(self, context: Any, plan: api.Plan, run: RecipeRun) -> Any:
+        """One unit on this host: the workload replaced stopped, the capsule restored (or the
+        engine started vanilla), recorded as sparkrun's. From the stop on, a restore is finished
+        even when interrupted (interrupts.py); an abandoned one leaves a receipt that says what
+        was stopped and what to run."""
+        from sparkrun.plugins import ActivationResult
+
         name = workload_name(context)
         _, log_path = local_record_paths(name)
         local = plan.request.workload.launch.executor == "local"
-        if local and not (plan.prepared is not None and plan.prepared.restored_ahead):
-            _stop_replaced(name)  # (a tree restored ahead is recorded under the name: it is this workload)
+        recipe_text = _recipe_text(context)
+        prepared = plan.prepared
+        what = ("restoring %s" % plan.request.capsule.ref) if prepared is not None else "starting the engine"
+        stopped: str | None = None
+        replaced: tuple[str, int] | None = None
+        out: Any = None
         try:
-            done = api.activate(plan, log_path=log_path, on_started=(lambda pid: _register(name, pid)) if local else None, progress=Progress(), on_note=_say)
-        except ColdsnapError as err:
-            run_hooks.failed(plan.request)
-            _write_failure_receipt(context, err, run)
-            raise RuntimeError(str(err)) from None
-        for receipt in done.receipts:
-            _write_receipt(context, receipt, run)
-        out = done.outcome
-        if local:
-            register_local(name, out.root_pid)  # containers carry sparkrun's name and labels instead
-        written = _write_receipt(context, out.receipt, run)
-        opts = context.execution.options
-        recipe = opts.recipe if isinstance(opts.recipe, str) else source_of(opts.recipe)
-        run_hooks.activated(
-            plan.request, out.receipt, out.root_pid, recipe=str(Path(recipe).resolve()) if Path(recipe).is_file() else recipe, hosts=opts.hosts,
-            cluster=opts.cluster if isinstance(opts.cluster, str | None) else getattr(opts.cluster, "name", None), overrides=dict(opts.overrides or {}), store=plan.store,
-            receipt_path=written,
-        )  # fmt: skip
+            with _INTERRUPTS.committed(what) if prepared is not None else contextlib.nullcontext():
+                replaced = _replaced(name) if local and not (prepared is not None and prepared.restored_ahead) else None
+                if replaced is not None:  # (a tree restored ahead is recorded under the name: it is this workload)
+                    stopped = "%s (pid %d)" % replaced
+                    _stop_replaced(name, *replaced)
+                try:
+                    done = api.activate(plan, log_path=log_path, on_started=(lambda pid: _register(name, pid)) if local else None, progress=Progress(), on_note=_say)
+                except ColdsnapError as err:
+                    run_hooks.failed(plan.request)
+                    if stopped is not None:
+                        err.args = ("%s; %s" % (err.message, _nothing_serves(stopped, name, recipe_text)),)
+                        if err.receipt is not None:
+                            err.receipt = err.receipt.model_copy(update={"details": {**err.receipt.details, "replaced_workload": stopped}})
+                    _write_failure_receipt(context, err, run)
+                    raise RuntimeError(str(err)) from None
+                for receipt in done.receipts:
+                    _write_receipt(context, receipt, run)
+                out = done.outcome
+                if local:
+                    register_local(name, out.root_pid)  # containers carry sparkrun's name and labels instead
+                written = _write_receipt(context, out.receipt, run)
+                opts = context.execution.options
+                recipe = opts.recipe if isinstance(opts.recipe, str) else source_of(opts.recipe)
+                run_hooks.activated(
+                    plan.request, out.receipt, out.root_pid, recipe=str(Path(recipe).resolve()) if Path(recipe).is_file() else recipe, hosts=opts.hosts,
+                    cluster=opts.cluster if isinstance(opts.cluster, str | None) else getattr(opts.cluster, "name", None), overrides=dict(opts.overrides or {}),
+                    store=plan.store, receipt_path=written,
+                )  # fmt: skip
+        except KeyboardInterrupt as interrupt:
+            if out is not None:  # it came once the workload was up: it serves
+                _say("%s came after the restore finished: %s serves (pid %d); `sparkrun stop %s` stops it" % (str(interrupt) or "SIGINT", name, out.root_pid, recipe_text))
+                raise
+            if replaced is not None:
+                # Abandoned while the replaced workload was being stopped: it is stopped, as said.
+                from sparkrun_coldsnap.host.process_tree import kill_tree
+
+                kill_tree(replaced[1], grace=10.0)
+            _abandoned(context, run, plan, prepared, stopped, name, recipe_text, interrupt)
+            raise
+        if _INTERRUPTS.pending is not None:
+            _say("%s came during the restore, which was finished: %s serves from capsule %s (pid %d); `sparkrun stop %s` stops it" % (
+                signal.Signals(_INTERRUPTS.pending).name, name, plan.request.capsule.ref, out.root_pid, recipe_text))  # fmt: skip
+            raise KeyboardInterrupt(signal.Signals(_INTERRUPTS.pending).name)
         ttft = "%.2f" % (out.ttft_seconds or 0)
         if done.how == "vanilla":
             _say("vanilla start answered after %.1f s" % (out.ttft_seconds or 0))
@@ -247,8 +313,18 @@ def _replaced_tree(req: RestoreRequest) -> tuple[int | None, frozenset[int]]:
     return (pid, frozenset(tree_pids(pid))) if pid else (None, frozenset())
 
 
-def _stop_replaced(name: str) -> None:
-    """Stop the host-process workload this run replaces, now that the new one is staged.
+def _replaced(name: str) -> tuple[str, int] | None:
+    """The host-process workload this run replaces, by its record name and root PID, if any."""
+    from sparkrun_coldsnap.integration.records import registered_pid, replaced_workload
+
+    old = replaced_workload(name)
+    pid = registered_pid(old) if old else None
+    return (old, pid) if old is not None and pid is not None else None
+
+
+def _stop_replaced(name: str, old: str, pid: int) -> None:
+    """Stop the host-process workload this run replaces (*old*, root *pid*), now that the new
+    one is staged.
 
     sparkrun's eviction leaves a workload that keeps its name (the same recipe run again) to
     its runtime's own launch, which removes it by name first; a strategy replaces that launch,
@@ -257,16 +333,49 @@ def _stop_replaced(name: str) -> None:
     same intent recorded here under its old name is the one replaced, and its record goes.
     """
     from sparkrun_coldsnap.host.process_tree import kill_tree
-    from sparkrun_coldsnap.integration.records import registered_pid, replaced_workload, unregister_local
+    from sparkrun_coldsnap.integration.records import unregister_local
 
-    old = replaced_workload(name)
-    pid = registered_pid(old) if old else None
-    if old is None or pid is None:
-        return
     _say("stopping the workload this run replaces (pid %d%s), now that the new one is staged" % (pid, "" if old == name else ", %s" % old))
     kill_tree(pid, grace=10.0)
     if old != name:
         unregister_local(old)
+
+
+def _drop_at_exit(plan: api.Plan) -> None:
+    """The process ends between preparation and activation (an interrupt in sparkrun's own
+    steps): nothing was stopped; what was staged goes."""
+    if plan.prepared is not None:
+        plan.discard()
+        _say("ended before activation: nothing was stopped (the workload this run would replace, if any, serves on) and what was staged is dropped")
+
+
+def _recipe_text(context: Any) -> str:
+    opts = context.execution.options
+    return opts.recipe if isinstance(opts.recipe, str) else source_of(opts.recipe)
+
+
+def _nothing_serves(stopped: str, name: str, recipe: str) -> str:
+    return "the workload it replaced, %s, was stopped before the restore: nothing serves %s now; `sparkrun run %s` starts it again" % (stopped, name, recipe)
+
+
+def _abandoned(context: Any, run: RecipeRun, plan: api.Plan, prepared: Any, stopped: str | None, name: str, recipe: str, interrupt: KeyboardInterrupt) -> None:
+    """An activation interrupted (before the workload it replaces was stopped, or abandoned by a
+    second signal after): one line and a failed receipt that say what was stopped and what to run."""
+    how = str(interrupt) or "SIGINT"
+    plan.discard()  # what was staged, when the interrupt came before the restore took it
+    what = ("the restore of %s" % plan.request.capsule.ref) if prepared is not None else "the vanilla start"
+    if stopped is None:
+        text = "%s: %s was abandoned, what it had started is stopped and what was staged dropped; no workload was stopped for it: `sparkrun run %s` starts it" % (how, what, recipe)
+    else:
+        text = "%s: %s was abandoned, what it had started is stopped; %s" % (how, what, _nothing_serves(stopped, name, recipe))
+    err = RestoreError(text, code="restore.interrupted")
+    rb = prepared.receipt if prepared is not None else ReceiptBuilder("start", request_sha256=plan.request.digest())
+    if stopped is not None:
+        rb.details["replaced_workload"] = stopped
+    err.receipt = rb.finish("failed", err)
+    run_hooks.failed(plan.request)
+    _say(text)
+    _write_failure_receipt(context, err, run)
 
 
 def _register(name: str, pid: int) -> None:
