@@ -21,6 +21,7 @@ import subprocess
 import sys
 
 from cuda_cut_two_hosts import cut
+from nccl_hostid import collect
 
 RANK = r"""
 import os, sys, torch
@@ -89,13 +90,7 @@ def main() -> int:
         p.stdin.write("go\n")
         p.stdin.flush()
     for p in procs:
-        try:
-            out, _ = p.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-            out += "\nRESULT after: no answer in 120 s (killed)"
-        lines += out.splitlines()
+        lines += collect(p, 120)[1].splitlines()
     report["results"] = [line for line in lines if line.startswith("RESULT")]
     report["warnings"] = [line for line in lines if "NCCL WARN" in line or "rror" in line][-6:]
     print(json.dumps(report, indent=1), flush=True)

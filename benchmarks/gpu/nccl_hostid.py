@@ -35,6 +35,17 @@ sys.exit(0 if ok else 1)
 SAFE = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+def collect(p: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    """A rank's exit status and output; one that does not end in *timeout* seconds is killed."""
+    try:
+        text, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        text, _ = p.communicate()
+        text += "\nno end in %.0f s (killed)" % timeout
+    return p.returncode, text
+
+
 def run_pair(host_ids: tuple[str, str], *, netns: tuple[str, str] | None, addrs: tuple[str, str], ifname: str, port: int) -> dict:
     procs = []
     for rank in (0, 1):
@@ -47,14 +58,7 @@ def run_pair(host_ids: tuple[str, str], *, netns: tuple[str, str] | None, addrs:
         if netns:
             argv = ["ip", "netns", "exec", netns[rank], *argv]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    out = []
-    for p in procs:
-        try:
-            text, _ = p.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            text, _ = p.communicate()
-        out.append((p.returncode, text))
+    out = [collect(p, 180) for p in procs]
     logs = "\n".join(t for _, t in out)
     return {
         "host_ids": list(host_ids),

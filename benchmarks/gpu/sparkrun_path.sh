@@ -81,11 +81,7 @@ env:
 ${ENV_LINES}
 command: $COMMAND
 coldsnap:
-  validation:
-    prompt: "Reply with one short sentence: what is a cold start?"
-    max_tokens: 16
-    timeout_seconds: 300
-  ready_timeout_seconds: 1200
+$(validation_block)
 EOF
 echo "--- $RECIPE"; cat "$RECIPE"; echo "---"
 

@@ -55,3 +55,4 @@ elif ! step "setup --sparkrun" sparkrun coldsnap setup --sparkrun; then
   step "settings by hand" settings_by_hand
 fi
 [ -n "${SKIP_SETUP:-}" ] || step "doctor" sparkrun coldsnap doctor
+

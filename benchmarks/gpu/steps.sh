@@ -27,3 +27,14 @@ wait_gpu_released() {
   done
   echo "GPU memory used after stop: $(gpu_mib) MiB"
 }
+
+# The recipes' validation settings under `coldsnap:` (indented for it): a GPU start takes minutes.
+validation_block() {
+  cat <<'EOF'
+  validation:
+    prompt: "Reply with one short sentence: what is a cold start?"
+    max_tokens: 16
+    timeout_seconds: 300
+  ready_timeout_seconds: 1200
+EOF
+}

@@ -109,11 +109,7 @@ env:
 command: vllm serve {model} --revision {model_revision} --port {port} --tensor-parallel-size {tensor_parallel} --max-model-len 2048 --disable-custom-all-reduce --kv-cache-memory-bytes $KV_BYTES --gpu-memory-utilization 0.4${EXTRA_FLAGS:+ $EXTRA_FLAGS}
 coldsnap:
   driver: n610
-  validation:
-    prompt: "Reply with one short sentence: what is a cold start?"
-    max_tokens: 16
-    timeout_seconds: 300
-  ready_timeout_seconds: 1200
+$(validation_block)
 EOF
   echo "--- $RECIPE"; cat "$RECIPE"; echo "---"
 }
