@@ -8,7 +8,8 @@
 #   bash benchmarks/gpu/container_path.sh capture   # sparkrun coldsnap capture of the container recipe
 #   bash benchmarks/gpu/container_path.sh path      # run (restored), status, chat, logs, stop, run, run again (replacement), stop
 #   bash benchmarks/gpu/container_path.sh bench     # sparkrun coldsnap bench: vanilla container starts and restores alternated
-#   bash benchmarks/gpu/container_path.sh host      # the same model as host processes (executor: local): capture, bench
+#   bash benchmarks/gpu/container_path.sh host-capture  # the same model as host processes (executor: local): capture
+#   bash benchmarks/gpu/container_path.sh host-bench    # ... and its bench, the comparison measured the same day
 # After `device.sh stash`, `device.sh plugin` and `device.sh engine` (floor.sh begin/rest do
 # them), `docker.sh up` and a model (`qualify.py model --shape 8b --work $WORK/q8`).
 #
@@ -38,6 +39,9 @@ PY=${PY:-python3}
 SAMPLES=${SAMPLES:-3}
 RESULTS=${RESULTS:-${OUT:-.}}
 PORT=${PORT:-8000}
+# The private CRIU and the capsule store live here (device.sh env names the same): every mode
+# must see the one `device.sh plugin` and `docker.sh up` set up.
+export COLDSNAP_HOME=${COLDSNAP_HOME:-$WORK/coldsnap-home}
 DOCKER_RECIPE=$WORK/recipes/coldsnap-gpu-vllm-docker.yaml
 HOST_RECIPE=$WORK/recipes/coldsnap-gpu-vllm-host.yaml
 mkdir -p "$RESULTS" "$WORK/recipes"
@@ -103,6 +107,18 @@ EOF
   for r in "$DOCKER_RECIPE" "$HOST_RECIPE"; do echo "--- $r"; cat "$r"; done
 }
 
+# The model floor.sh begin makes in the background: done when its description is written,
+# failed when its maker is gone without one.
+# shellcheck disable=SC2317  # run by step
+wait_for_model() {
+  while [ ! -s "$MODEL_JSON" ]; do
+    if ! kill -0 "$(cat "$WORK/model.pid" 2>/dev/null || echo 0)" 2>/dev/null && [ ! -s "$MODEL_JSON" ]; then
+      tail -n 20 "$WORK/model.log" 2>/dev/null; echo "no model at $MODEL_JSON and none being made" >&2; return 1
+    fi
+    sleep 1
+  done
+}
+
 # The plugin as sparkrun_setup.sh installed it; HF_HOME where the model is.
 use_plugin() {
   export PYTHONPATH=$SITE PATH=$SITE/bin:$PATH SPARKRUN_NO_TELEMETRY=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -143,6 +159,7 @@ case "$MODE" in
     # setup --sparkrun turns the docker executor off where no daemon answered; docker.sh up ran first.
     step "docker executor on" sparkrun setup features enable executor.docker || FAILED=1
     step image bash "$HERE/benchmarks/gpu/engine_image.sh" || FAILED=1
+    step model wait_for_model || FAILED=1
     step recipes write_recipes || FAILED=1
     step doctor sparkrun coldsnap doctor
     ;;
@@ -179,12 +196,15 @@ case "$MODE" in
     use_plugin
     step "bench container" sparkrun coldsnap bench "$DOCKER_RECIPE" --samples "$SAMPLES" --out "$RESULTS/bench-container" || FAILED=1
     ;;
-  host)
+  host-capture)
     use_plugin
     step "coldsnap capture (host)" sparkrun coldsnap capture "$HOST_RECIPE" || FAILED=1
+    ;;
+  host-bench)
+    use_plugin
     step "bench host" sparkrun coldsnap bench "$HOST_RECIPE" --samples "$SAMPLES" --out "$RESULTS/bench-host" || FAILED=1
     ;;
-  *) echo "usage: $0 setup|recipe|capture|path|bench|host" >&2; exit 2 ;;
+  *) echo "usage: $0 setup|recipe|capture|path|bench|host-capture|host-bench" >&2; exit 2 ;;
 esac
 echo
 awk -F'\t' '{printf "  %-24s %8.2f s  exit %s  GPU %s MiB\n", $1, $2, $3, $4}' "$STEPS"

@@ -131,11 +131,18 @@ EOF
   echo "--- $CONFIG"; cat "$CONFIG"
 }
 
-live() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# Does the process a pidfile names run? (dockerd removes its file as it exits: no error then.)
+live() { local pid; pid=$(cat "$1" 2>/dev/null) && [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; }
 
 start() {
   mkdir -p "$LOGS" "$DATA" "$CTR_ROOT"
   if live "$PIDFILE"; then echo "dockerd already runs (pid $(cat "$PIDFILE"))"; return; fi
+  # runc puts each container in a cgroup of its own: a machine booted without an init that
+  # mounts the cgroup file system gets cgroup v2 mounted here.
+  if [ "${APART:-0}" != 1 ] && ! grep -q " /sys/fs/cgroup " /proc/mounts; then
+    mount -t cgroup2 none /sys/fs/cgroup && echo "mounted cgroup2 at /sys/fs/cgroup"
+  fi
+  grep -qw overlay /proc/filesystems || echo "no overlay file system in this kernel: dockerd falls back to vfs (a full copy of the image per container)"
   # containerd of its own, not one dockerd would adopt from the default socket: on a machine
   # with Docker (a rehearsal) that one is the machine's.
   if ! live "$CTR_PIDFILE"; then

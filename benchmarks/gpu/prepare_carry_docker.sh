@@ -6,12 +6,12 @@
 # There `bash benchmarks/gpu/docker.sh stash` keeps each carried piece and `docker.sh up` unpacks
 # them with `dpkg -x` (nothing is installed: the binaries run through wrappers that give them,
 # and only them, LD_LIBRARY_PATH).
-# Pieces: DIR/part0, DIR/part1, ... each under 58 MiB, so one piece and the work tree fit in the
+# Pieces: DIR/part0, DIR/part1, ... each under 58 MiB (PIECE_MIB), so one piece and the work tree fit in the
 # 64 MiB a command carries; a .deb larger than that is split into .partNN files, joined there.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-.carry/gpu/docker}
-LIMIT=$((58 * 1024 * 1024))
+LIMIT=$((${PIECE_MIB:-58} * 1024 * 1024))
 SCRATCH=$(mktemp -d)
 trap 'rm -rf "$SCRATCH"' EXIT
 mkdir -p "$SCRATCH/debs" "$SCRATCH/root"
@@ -50,15 +50,14 @@ if [ -n "$missing" ]; then
   echo "libraries not in the carried packages:"; echo "$missing"; exit 1
 fi
 
-# Pieces of at most 58 MiB; a .deb above that is split (docker.sh joins NAME.partNN back).
-part=0 used=0
-mkdir -p "$OUT/part0"
-# Largest first (a split .deb takes pieces of its own, the small ones fill the rest).
+# Pieces of at most PIECE_MIB; a .deb above that is split (docker.sh joins NAME.partNN back).
+# A new piece is started when the next file does not fit (a split one's pieces each get their own).
+part=-1 used=$LIMIT
 while read -r size f; do
   if [ "$size" -gt "$LIMIT" ]; then
-    split -b 58m -d "$f" "$SCRATCH/$(basename "$f").part"
+    split -b "${PIECE_MIB:-58}m" -d "$f" "$SCRATCH/$(basename "$f").part"
     for p in "$SCRATCH/$(basename "$f")".part*; do
-      part=$((part + 1)); mkdir -p "$OUT/part$part"; mv "$p" "$OUT/part$part/"
+      part=$((part + 1)) used=$LIMIT; mkdir -p "$OUT/part$part"; mv "$p" "$OUT/part$part/"
     done
     continue
   fi
@@ -66,7 +65,7 @@ while read -r size f; do
   cp "$f" "$OUT/part$part/"
   used=$((used + size))
 done < <(stat -c '%s %n' "$SCRATCH"/debs/*.deb | sort -rn)
-(cd "$SCRATCH/debs" && sha256sum ./*.deb) > "$OUT/part0/SHA256SUMS"
+(cd "$SCRATCH/debs" && sha256sum ./*.deb) > "$OUT/part$part/SHA256SUMS"
 ls -l "$OUT"/part*/
 du -sh "$OUT"/part*
 for b in usr/bin/docker usr/sbin/dockerd usr/bin/containerd usr/bin/containerd-shim-runc-v2 usr/sbin/runc usr/bin/tini-static usr/sbin/docker-proxy; do
