@@ -186,8 +186,11 @@ down() {
     if live "$CTR_PIDFILE"; then kill -9 "$(cat "$CTR_PIDFILE")"; fi
   fi
   rm -f "$PIDFILE" "$CTR_PIDFILE" "$SOCK"
-  # dockerd leaves its overlay mounts under the data root mounted when it is killed hard.
-  { grep -o " $DATA/[^ ]*" /proc/mounts || true; } | sort -r | while read -r m; do umount "$m" 2>/dev/null || true; done
+  # dockerd leaves its default network namespace mounted under the exec root, and its overlay
+  # mounts under the data root when it is killed hard.
+  { grep -oE " ($DATA|$EXEC)/[^ ]*" /proc/mounts || true; } | sort -r | while read -r m; do umount "${m# }" 2>/dev/null || true; done
+  # A rehearsal's state directories are its own: nothing of them is left in /run.
+  if [ "${APART:-0}" = 1 ]; then rm -rf "$EXEC" "$CTR_STATE"; fi
   echo "dockerd and containerd stopped"
 }
 
