@@ -5,7 +5,7 @@
 # that image ($WORK/engine-site, as `device.sh engine` installs it), with PATH and PYTHONPATH
 # set by `docker import --change`.
 #   bash benchmarks/gpu/engine_image.sh          # import it as $TAG (once: an existing tag is kept)
-#   bash benchmarks/gpu/engine_image.sh sizes    # only what it would take, and how big each part is
+#   bash benchmarks/gpu/engine_image.sh sizes    # only how big it would be (du: a few seconds, nothing read)
 # After `docker.sh up` and `device.sh engine`.
 #
 # How far this is from a vendor image (vllm/vllm-openai, NGC's): the same kind of contents (an
@@ -52,13 +52,14 @@ members+=("${VENV#/}")
 # NVIDIA's toolkit would) and the exclusions of the environment. Bytecode caches stay: without
 # them every container would compile vLLM's modules again at its start.
 excludes=()
-while read -r f; do [ -n "$f" ] && excludes+=(--exclude="${f#/}"); done < <("$PY" -c 'from sparkrun_coldsnap.launch import gpu_devices; print("\n".join(gpu_devices.driver_files()))')
+while read -r f; do if [ -n "$f" ]; then excludes+=(--exclude="${f#/}"); fi; done < <("$PY" -c 'from sparkrun_coldsnap.launch import gpu_devices; print("\n".join(gpu_devices.driver_files()))')
 for e in $VENV_EXCLUDE; do excludes+=(--exclude="${site#/}/$e"); done
 
 if [ "${1:-}" = sizes ]; then
+  # du walks the names only (tar would read every byte): the left-out packages are counted apart.
   echo "taken from /: ${members[*]}; $ENGINE_SITE as $IMAGE_SITE"
-  # tar's own count of what it would write, exclusions applied (du would count them too)
-  tar -C / -c "${excludes[@]}" "${members[@]}" -C "$(dirname "$ENGINE_SITE")" "$(basename "$ENGINE_SITE")" 2>/dev/null | wc -c | awk '{printf "the image would be %.2f GiB\n", $1 / 2^30}'
+  (cd / && du -sch "${members[@]}" "$ENGINE_SITE" 2>/dev/null | tail -n 1 | sed 's/total$/in all, the left-out below included/')
+  (cd "$site" && for e in $VENV_EXCLUDE; do for m in $e; do [ -e "$m" ] && echo "$m"; done; done | xargs -r du -sch | tail -n 1 | sed 's/total$/left out of the environment/')
   exit 0
 fi
 if docker image inspect "$TAG" > /dev/null 2>&1; then
@@ -71,12 +72,20 @@ if [ -e "$ENGINE_SITE/bin/vllm" ] && ! head -n1 "$ENGINE_SITE/bin/vllm" | grep -
   echo "$ENGINE_SITE/bin/vllm starts $(head -n1 "$ENGINE_SITE/bin/vllm"), not $VENV's Python: install the engine with $VENV/bin/python3 -m pip (device.sh engine)" >&2
   exit 1
 fi
+# The directories every Linux program expects that the machine's parts above do not bring
+# (docker makes /proc, /sys, /dev and /etc/hosts itself): /tmp for vLLM's sockets and temporary
+# files, HOME, /run, /var/tmp.
+skel=$(mktemp -d)
+trap 'rm -rf "$skel"' EXIT
+mkdir -p "$skel/tmp" "$skel/var/tmp" "$skel/root" "$skel/run" "$skel/home"
+chmod 1777 "$skel/tmp" "$skel/var/tmp"
+chmod 700 "$skel/root"
 start=$(date +%s%N)
 # One stream, two roots: the machine's files at their own paths, the engine's packages renamed
 # to IMAGE_SITE (the transform applies to that root's members only: none of / starts so).
 name=$(basename "$ENGINE_SITE")
 tar -C / -c --numeric-owner "${excludes[@]}" --transform="s,^$name\\(/\\|\$\\),${IMAGE_SITE#/}\\1," \
-    "${members[@]}" -C "$(dirname "$ENGINE_SITE")" "$name" \
+    "${members[@]}" -C "$(dirname "$ENGINE_SITE")" "$name" -C "$skel" tmp var/tmp root run home \
   | docker import \
       --change "ENV PATH=$VENV/bin:$IMAGE_SITE/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
       --change "ENV PYTHONPATH=$IMAGE_SITE" \
