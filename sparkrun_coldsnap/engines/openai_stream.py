@@ -41,13 +41,16 @@ def chat_body(model: str, prompt: str, max_tokens: int) -> dict:
     }
 
 
-def stream_chat(base_url: str, model: str, prompt: str, *, max_tokens: int, timeout: float) -> StreamedReply:
+def stream_chat(base_url: str, model: str, prompt: str, *, max_tokens: int, timeout: float, api_key: str | None = None) -> StreamedReply:
     url = base_url.rstrip("/") + "/v1/chat/completions"
+    headers = {"Connection": "close"}
+    if api_key:
+        headers["Authorization"] = "Bearer " + api_key
     parts: list[str] = []
     first: float | None = None
     sent = time.monotonic()
     try:
-        with requests.post(url, json=chat_body(model, prompt, max_tokens), stream=True, timeout=timeout, headers={"Connection": "close"}) as r:
+        with requests.post(url, json=chat_body(model, prompt, max_tokens), stream=True, timeout=timeout, headers=headers) as r:
             if r.status_code != 200:
                 raise EngineError("validation request to %s failed: HTTP %d: %s" % (url, r.status_code, r.text[:300]))
             for raw in r.iter_lines():
