@@ -126,3 +126,22 @@ def test_a_capsule_holding_credentials_is_published_only_when_allowed(tmp_path):
         publish(store, "keyed", parse("127.0.0.1:9/c:keyed", default_tag=None), Unreachable())  # type: ignore[arg-type]
     with pytest.raises(AssertionError, match="the registry was contacted"):
         publish(store, "keyed", parse("127.0.0.1:9/c:keyed", default_tag=None), Unreachable(), allow_secrets=True)  # type: ignore[arg-type]
+
+
+def test_a_running_process_is_named_by_the_credentials_it_was_started_with():
+    """What a hibernate records: the names found in the live tree's environment and command line."""
+    import subprocess
+    import sys
+
+    from sparkrun_coldsnap.host.process_tree import environ_and_argv
+    from sparkrun_coldsnap.secrets import held_by
+
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "--api-key=%s" % KEY, "--port", "1"], env={"APP_TOKEN": TOKEN, "PLAIN": "1"})
+    try:
+        env, argv = environ_and_argv(p.pid)
+        assert env.get("PLAIN") == "1" and argv[-2:] == ["--port", "1"]
+        assert held_by(env, argv) == ("--api-key", "APP_TOKEN")
+    finally:
+        p.kill()
+        p.wait()
+    assert environ_and_argv(p.pid) == ({}, [])
