@@ -22,8 +22,8 @@ IDENT_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}$"
 HOST_PATTERN = r"^[A-Za-z0-9_\[][A-Za-z0-9_.:%@\[\]-]{0,252}$"
 #: an environment variable's name
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,255}$"
-#: an accelerator index or id (CUDA_VISIBLE_DEVICES takes either)
-DEVICE_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+#: an accelerator index or id (CUDA_VISIBLE_DEVICES takes either; a MIG id has / and :)
+DEVICE_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_:/.-]{0,127}$"
 #: docker's --shm-size
 SIZE_PATTERN = r"^[0-9]{1,15}[bkmgBKMG]?$"
 
@@ -93,7 +93,7 @@ HostName = Annotated[str, AfterValidator(_matching(HOST_PATTERN, "host", "a host
 #: an environment variable's name
 EnvName = Annotated[str, AfterValidator(_matching(ENV_NAME_PATTERN, "variable name", "letters, digits and _, not starting with a digit")), Field(json_schema_extra={"pattern": ENV_NAME_PATTERN})]
 #: an accelerator index or id
-Device = Annotated[str, AfterValidator(_matching(DEVICE_PATTERN, "device", "an accelerator index or id (letters, digits, _ and -)")), Field(json_schema_extra={"pattern": DEVICE_PATTERN})]
+Device = Annotated[str, AfterValidator(_matching(DEVICE_PATTERN, "device", "an accelerator index or id (letters, digits and _ - . : /)")), Field(json_schema_extra={"pattern": DEVICE_PATTERN})]
 #: a memory size for docker
 Size = Annotated[str, AfterValidator(_matching(SIZE_PATTERN, "size", "a number with an optional unit b, k, m or g")), Field(json_schema_extra={"pattern": SIZE_PATTERN})]
 #: a command line (newlines and tabs allowed: a rendered command may span lines)
