@@ -16,7 +16,7 @@ from sparkrun_coldsnap import secrets
 from sparkrun_coldsnap.digests import canonical_json, sha256_bytes
 from sparkrun_coldsnap.documents.capsule_ref import CapsuleRef
 from sparkrun_coldsnap.documents.strict import Strict
-from sparkrun_coldsnap.documents.values import AbsolutePath, CommandText, Device, EnvName, EnvValue, HostName, Ident, Label, PathName, Size, VolumePath
+from sparkrun_coldsnap.documents.values import AbsolutePath, CommandText, Device, EnvName, EnvValue, HostName, Ident, Label, PathName, Size, VolumePath, shown
 
 REQUEST_FORMAT: Literal[1] = 1
 
@@ -33,7 +33,7 @@ def revision_problem(value: object) -> str | None:
     if value is None or value == "":
         return "model_revision is missing: a capsule is bound to exact weights; pin the model's commit hash (model_revision: <40 hex digits>)"
     if not is_immutable_revision(str(value)):
-        return "model_revision %r is not immutable: a capsule is bound to exact weights, pin the commit hash (40 hex digits)" % str(value)
+        return "model_revision %s is not immutable: a capsule is bound to exact weights, pin the commit hash (40 hex digits)" % shown(str(value), 80)
     return None
 
 
@@ -51,7 +51,7 @@ class ModelRef(Strict):
     @classmethod
     def _immutable(cls, v: str) -> str:
         if not is_immutable_revision(v):
-            raise ValueError("model revision %r is not immutable: pin a commit hash (40 hex digits)" % v)
+            raise ValueError("model revision %s is not immutable: pin a commit hash (40 hex digits)" % shown(v, 80))
         return v
 
 
@@ -87,7 +87,7 @@ class Launch(Strict):
     @classmethod
     def _pinned(cls, v: str | None) -> str | None:
         if v is not None and not _PINNED_IMAGE_RE.match(v):
-            raise ValueError("container image %r is not pinned by digest: use name@sha256:<digest>" % v)
+            raise ValueError("container image %s is not pinned by digest: use name@sha256:<digest>" % shown(v, 200))
         return v
 
 
