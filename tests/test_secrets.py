@@ -136,8 +136,10 @@ def test_a_running_process_is_named_by_the_credentials_it_was_started_with():
     from sparkrun_coldsnap.host.process_tree import environ_and_argv
     from sparkrun_coldsnap.secrets import held_by
 
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "--api-key=%s" % KEY, "--port", "1"], env={"APP_TOKEN": TOKEN, "PLAIN": "1"})
+    code = "import time; print('up', flush=True); time.sleep(30)"
+    p = subprocess.Popen([sys.executable, "-c", code, "--api-key=%s" % KEY, "--port", "1"], env={"APP_TOKEN": TOKEN, "PLAIN": "1"}, stdout=subprocess.PIPE, text=True)
     try:
+        assert p.stdout is not None and p.stdout.readline() == "up\n"  # exec'd: /proc shows its own environment, not the parent's
         env, argv = environ_and_argv(p.pid)
         assert env.get("PLAIN") == "1" and argv[-2:] == ["--port", "1"]
         assert held_by(env, argv) == ("--api-key", "APP_TOKEN")
