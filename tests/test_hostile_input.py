@@ -8,6 +8,7 @@ import io
 import json
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import make_capsule
@@ -231,3 +232,114 @@ def test_the_store_tags_no_capsule_outside_the_name_rules(tmp_path):
     assert store.entries() == []
     with pytest.raises(ColdsnapError, match="is not in the store"):
         store.resolve("../../x")
+
+
+# -- request documents from another program ----------------------------------------------------
+
+#: where each field of a request document that becomes a path, a host, a port, a command or an
+#: environment lives in the document
+REQUEST_FIELDS = {
+    "capsule.name": ("capsule", "name"),
+    "capsule.tag": ("capsule", "tag"),
+    "workload_name": ("workload_name",),
+    "workload.launch.port": ("workload", "launch", "port"),
+    "workload.launch.command": ("workload", "launch", "command"),
+    "workload.launch.engine_env": ("workload", "launch", "engine_env"),
+    "workload.launch.shm_size": ("workload", "launch", "shm_size"),
+    "workload.launch.image": ("workload", "launch", "image"),
+    "workload.model.path": ("workload", "model", "path"),
+    "workload.model.id": ("workload", "model", "id"),
+    "workload.topology.hosts.0": ("workload", "topology", "hosts", 0),
+    "workload.topology.units.0.name": ("workload", "topology", "units", 0, "name"),
+    "workload.topology.units.0.host": ("workload", "topology", "units", 0, "host"),
+    "workload.topology.units.0.command": ("workload", "topology", "units", 0, "command"),
+    "workload.driver": ("workload", "driver"),
+    "workload.engine": ("workload", "engine"),
+}
+HOSTILE_TEXT = st.one_of(
+    st.sampled_from(["../../../tmp/x", "..", "/etc", "a/../../b", "x\x00y", "-oProxyCommand=touch /tmp/p", "a b", "a:b", "\n", ""]),
+    st.text(max_size=30),
+    st.integers(1, 12_000).map(lambda n: "a" * n),
+    st.integers(),
+)
+
+
+def restore_document() -> dict:
+    from helpers import synthetic_workload
+
+    from sparkrun_coldsnap.documents.request import CapsuleRef, RestoreRequest, ValidationSpec
+
+    req = RestoreRequest(workload=synthetic_workload(), validation=ValidationSpec(prompt="hi"), capsule=CapsuleRef(name="absent"), on_missing="fail", workload_name="w")
+    return req.model_dump(mode="json")
+
+
+def _set(doc: dict, where: tuple, value: object) -> dict:
+    inner: Any = doc
+    for key in where[:-1]:
+        inner = inner[key]
+    inner[where[-1]] = value
+    return doc
+
+
+def _inside(base: Path, name: str) -> bool:
+    return (base / name).resolve().is_relative_to(base.resolve())
+
+
+@FAST
+@given(field=st.sampled_from(sorted(REQUEST_FIELDS)), value=HOSTILE_TEXT, env=st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=2))
+def test_a_hostile_request_field_is_refused_in_one_short_line_or_is_safe_to_use(field, value, env):
+    doc = _set(restore_document(), REQUEST_FIELDS[field], value)
+    doc["workload"]["launch"]["env"] = env
+    try:
+        req = api.load_request(json.dumps(doc), source="doc.json")
+    except RequestError as err:
+        assert err.exit_code == 2 and "\n" not in err.message and len(err.message) < 1000, err.message
+        return
+    base = Path("/nonexistent/base")
+    w = req.workload
+    names = [req.capsule.name, req.capsule.tag, req.workload_name, *(u.name for u in w.topology.units), *([w.launch.engine_env] if w.launch.engine_env else [])]
+    assert all(_inside(base, n) and n not in (".", "..") for n in names)
+    assert 1 <= w.launch.port <= 65535
+    texts = [w.launch.command, w.model.id, w.model.path or "", *w.topology.hosts, *(u.host for u in w.topology.units), *w.launch.env, *w.launch.env.values()]
+    assert not any("\x00" in t for t in texts)
+    assert not any(h.startswith("-") for h in (*w.topology.hosts, *(u.host for u in w.topology.units)))
+    assert all("=" not in k and k for k in w.launch.env)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("capsule.name", "../../../tmp/x"),
+        ("capsule.name", "tiny\x00x"),
+        ("capsule.name", "a" * 10_000),
+        ("workload.launch.port", 0),
+        ("workload.launch.port", 70000),
+        ("workload_name", "../../../tmp/x"),
+        ("workload.launch.engine_env", "../../../tmp/x"),
+        ("workload.topology.units.0.name", "../../../tmp/x"),
+        ("workload.topology.units.0.host", "-oProxyCommand=touch /tmp/x"),
+        ("workload.launch.command", "vllm serve\x00--x"),
+    ],
+)
+@pytest.mark.parametrize("verb", ["capture", "restore"])
+def test_a_hostile_request_document_is_refused_in_one_line_and_writes_nothing(tmp_path, verb, field, value):
+    from click.testing import CliRunner
+
+    from sparkrun_coldsnap.cli import coldsnap_group
+
+    doc = _set(restore_document(), REQUEST_FIELDS[field], value)
+    if verb == "capture":
+        doc = {k: v for k, v in doc.items() if k not in ("on_missing", "on_incompatible", "recapture", "workload_name", "workload_labels")}
+        doc["operation"] = "capture"
+        if field == "workload_name":
+            doc["workload"]["launch"]["engine_env"] = value  # a capture names no record: the same value as a path it does use
+    (tmp_path / "doc.json").write_text(json.dumps(doc))
+    before = _everything(tmp_path)
+    env = {"COLDSNAP_HOME": str(tmp_path / "home")}
+    result = CliRunner().invoke(coldsnap_group, [verb, "--request", str(tmp_path / "doc.json"), "--store", str(tmp_path / "store")], env=env, catch_exceptions=False)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and len(lines[0]) < 1000, result.output
+    shown_field = field if not (verb == "capture" and field == "workload_name") else "workload.launch.engine_env"
+    assert "doc.json: %s: " % shown_field in lines[0], lines[0]
+    assert _everything(tmp_path) == before  # not the store, not the home, not the path the name climbs to
+    assert not Path("/tmp/x").exists()

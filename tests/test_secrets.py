@@ -71,3 +71,79 @@ def test_commands_in_logs_and_errors_carry_no_secret(caplog):
     no_secret(caught.value.message)
     no_secret(caplog.text)
     assert "sha256:" in caplog.text
+
+
+# -- what a captured engine is given ------------------------------------------------------------
+
+
+def test_a_captured_engine_gets_no_fetch_credential_and_no_stray_one():
+    from sparkrun_coldsnap.secrets import for_capture
+
+    env = {"HF_TOKEN": TOKEN, "HF_TOKEN_PATH": "/keys/hub", "REGISTRY_PASSWORD": PASSWORD, "SHELL_GITHUB_TOKEN": "gh", "VLLM_API_KEY": KEY, "APP_SECRET": "s", "PATH": "/bin", "HF_HUB_OFFLINE": "0"}
+    command = "vllm serve m --hf-token %s --api-key %s --hf-token=%s --port 8000" % (TOKEN, KEY, TOKEN)
+    launch = for_capture(command, env, given={"HF_TOKEN", "HF_TOKEN_PATH", "REGISTRY_PASSWORD", "APP_SECRET"}, serving={"VLLM_API_KEY"})
+    assert launch.env == {"VLLM_API_KEY": KEY, "APP_SECRET": "s", "PATH": "/bin", "HF_HUB_OFFLINE": "1"}  # offline: no token file is read either
+    assert launch.command == "vllm serve m --api-key %s --port 8000" % KEY
+    assert launch.withheld == ("--hf-token", "HF_TOKEN", "HF_TOKEN_PATH", "REGISTRY_PASSWORD", "SHELL_GITHUB_TOKEN")
+    assert launch.held == ("--api-key", "APP_SECRET", "VLLM_API_KEY")
+
+
+def test_a_command_without_fetch_credentials_is_left_as_written():
+    from sparkrun_coldsnap.secrets import for_capture
+
+    command = "vllm serve m  --port 8000 'quoted arg'"
+    assert for_capture(command, {}, given=()).command == command
+    assert for_capture(command, {}, given=()).held == ()
+
+
+@pytest.mark.parametrize(("name", "fetches"), [("HF_TOKEN", True), ("HUGGING_FACE_HUB_TOKEN", True), ("--hf-token", True), ("DOCKER_PASSWORD", True), ("ORAS_PASS", False), ("VLLM_API_KEY", False), ("--api-key", False), ("HF_HOME", False)])
+def test_which_credentials_fetch_weights_or_images(name, fetches):
+    from sparkrun_coldsnap.secrets import is_fetch_credential
+
+    assert is_fetch_credential(name) is fetches
+
+
+def test_a_capsule_holding_credentials_is_published_only_when_allowed(tmp_path):
+    from helpers import make_capsule
+
+    from sparkrun_coldsnap.capsule import capsule as capsule_mod
+    from sparkrun_coldsnap.capsule.reference import parse
+    from sparkrun_coldsnap.capsule.transfer import publish
+    from sparkrun_coldsnap.errors import RequestError
+
+    store = CapsuleStore(tmp_path / "store")
+    plain = make_capsule(store, tmp_path, "keyed")
+    assert plain.config.credentials == ()
+    capsule_mod.publish(store, [], plain.config.model_copy(update={"credentials": ("--api-key",)}))
+
+    class Unreachable:
+        """A registry that must not be reached."""
+
+        def __getattr__(self, name):
+            raise AssertionError("the registry was contacted (%s)" % name)
+
+    with pytest.raises(RequestError, match=r"^capsule keyed holds credentials in its memory \(--api-key\): .* pass --allow-secrets$"):
+        publish(store, "keyed", parse("127.0.0.1:9/c:keyed", default_tag=None), Unreachable())  # type: ignore[arg-type]
+    with pytest.raises(AssertionError, match="the registry was contacted"):
+        publish(store, "keyed", parse("127.0.0.1:9/c:keyed", default_tag=None), Unreachable(), allow_secrets=True)  # type: ignore[arg-type]
+
+
+def test_a_running_process_is_named_by_the_credentials_it_was_started_with():
+    """What a hibernate records: the names found in the live tree's environment and command line."""
+    import subprocess
+    import sys
+
+    from sparkrun_coldsnap.host.process_tree import environ_and_argv
+    from sparkrun_coldsnap.secrets import held_by
+
+    code = "import time; print('up', flush=True); time.sleep(30)"
+    p = subprocess.Popen([sys.executable, "-c", code, "--api-key=%s" % KEY, "--port", "1"], env={"APP_TOKEN": TOKEN, "PLAIN": "1"}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "up\n"  # exec'd: /proc shows its own environment, not the parent's
+        env, argv = environ_and_argv(p.pid)
+        assert env.get("PLAIN") == "1" and argv[-2:] == ["--port", "1"]
+        assert held_by(env, argv) == ("--api-key", "APP_TOKEN")
+    finally:
+        p.kill()
+        p.wait()
+    assert environ_and_argv(p.pid) == ({}, [])

@@ -139,10 +139,13 @@ def push_native(client: RegistryClient, record: NativePayload, subject: dict[str
 
 def publish(
     store: CapsuleStore, capsule_ref: str, target: Reference, client: RegistryClient, *, model_dir: Path | None = None, with_native: bool = False,
-    chunk: int = DEFAULT_CHUNK, progress: Progress = QUIET,
+    chunk: int = DEFAULT_CHUNK, progress: Progress = QUIET, allow_secrets: bool = False,
 ) -> PublishResult:  # fmt: skip
-    """Push a local capsule (given *model_dir*, its weights as its subject; *with_native*, its native payload as a referrer) to *target*."""
+    """Push a local capsule (given *model_dir*, its weights as its subject; *with_native*, its native payload as a referrer) to *target*.
+    A capsule whose memory holds credentials is refused unless *allow_secrets*: whoever can pull it can read them."""
     cap = open_capsule(store, capsule_ref)
+    if cap.config.credentials and not allow_secrets:
+        raise RequestError("capsule %s holds credentials in its memory (%s): publishing hands them to whoever can pull it; capture it without them, or pass --allow-secrets" % (capsule_ref, ", ".join(cap.config.credentials)))
     native = native_to_publish(cap) if with_native else None  # refused before anything is pushed
     staging = store.staging / "uploads"
     blobs = [Descriptor.from_json(cap.manifest["config"]), *cap.layers]

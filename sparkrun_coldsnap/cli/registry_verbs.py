@@ -41,8 +41,9 @@ def model_dir_of(cap) -> Path:
 @chunk_option
 @click.option("--with-weights", is_flag=True, help="Also push the model files as a weights artifact, linked as the capsule's subject.")
 @click.option("--with-native", is_flag=True, help="Also push the capsule's native weight payload from this host, as an artifact referring to the capsule.")
+@click.option("--allow-secrets", is_flag=True, help="Publish a capsule whose memory holds credentials (inspect names them): whoever can pull it can read them.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was pushed as JSON.")
-def publish(capsule, repository, store, plain_http, ca_file, chunk_size, with_weights, with_native, as_json):
+def publish(capsule, repository, store, plain_http, ca_file, chunk_size, with_weights, with_native, allow_secrets, as_json):
     """Push CAPSULE (name[:tag] or digest) from the local store to REPOSITORY[:TAG] of an OCI registry.
 
     Credentials come from the usual Docker/OCI credential files (docker login)
@@ -57,7 +58,7 @@ def publish(capsule, repository, store, plain_http, ca_file, chunk_size, with_we
     ref = parse(repository, default_tag=None)
     cap = capsule_mod.open_capsule(s, capsule)
     model_dir = model_dir_of(cap) if with_weights else None
-    result = do_publish(s, capsule, ref, client_for(ref, plain_http, ca_file), model_dir=model_dir, with_native=with_native, chunk=chunk_size, progress=Progress(quiet=as_json))
+    result = do_publish(s, capsule, ref, client_for(ref, plain_http, ca_file), model_dir=model_dir, with_native=with_native, chunk=chunk_size, progress=Progress(quiet=as_json), allow_secrets=allow_secrets)
     if as_json:
         emit_json(result.__dict__)
         return

@@ -71,6 +71,8 @@ def inspect(capsule, store, as_json):
     click.echo("request:  %s" % c.request_sha256)
     click.echo("command:  %s" % c.workload.launch.command)
     click.echo("validation: %r -> %r" % (c.validation.prompt, c.validation.reply))
+    # By name only: the images hold the values, and publish refuses them without --allow-secrets.
+    click.echo("credentials in memory: %s" % (", ".join(c.credentials) if c.credentials else "none"))
     if c.weights.native is not None:
         d = native_payload.directory(c.weights.native)  # presence only: restores verify the digests
         where = "on this host, in %s" % d if d.is_dir() else "not on this host (restores take recovery)"

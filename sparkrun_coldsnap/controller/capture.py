@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from sparkrun_coldsnap import secrets
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
 from sparkrun_coldsnap.capsule.capsule import Capsule
 from sparkrun_coldsnap.capsule.pack import PackedLayer
@@ -74,6 +76,20 @@ class Capturing:
     r: Resolved = field(init=False)
     #: whether the engine writes its native weight payload (set by admission)
     native_wanted: bool = False
+    #: names of the credentials the captured memory holds (the capsule records them, never their values)
+    credentials: set[str] = field(default_factory=set)
+
+    def launched_with(self, launch: secrets.CaptureLaunch) -> None:
+        """A unit is started as *launch* says: what it was not given and what it holds, for the receipt and the capsule."""
+        self.hold_credentials(launch.held)
+        record = self.rb.details.setdefault("credentials", {"withheld": [], "held": []})
+        record["withheld"] = sorted(set(record["withheld"]) | set(launch.withheld))
+        record["held"] = sorted(self.credentials)
+
+    def hold_credentials(self, names: Iterable[str]) -> None:
+        self.credentials.update(names)
+        if self.credentials:
+            self.rb.details.setdefault("credentials", {"withheld": [], "held": []})["held"] = sorted(self.credentials)
 
 
 class CaptureUnits(Protocol):
@@ -169,7 +185,7 @@ def capture(req: CaptureRequest, units: CaptureUnits, *, store: CapsuleStore, se
             if changed:
                 raise CaptureError("the model files changed while the engine loaded them: %s; capture again" % "; ".join(changed))
             layers, images = units.pack(c, staging, images, native)
-            config = capsule_config(req, c.r, units.fingerprint(c, images), validation, recorded_files, native, tuple(images))
+            config = capsule_config(req, c.r, units.fingerprint(c, images), validation, recorded_files, native, tuple(images), credentials=tuple(sorted(c.credentials)))
             with rb.phase("publish"):
                 desc = capsule_mod.publish(store, layers, config)
             rb.details["image_bytes"] = sum(i.image_bytes for i in images)
@@ -214,7 +230,7 @@ def _validated(c: Capturing, units: CaptureUnits, t0: float) -> Validation:
 
 def capsule_config(
     req: CaptureRequest, r: Resolved, fingerprint: Fingerprint, validation: Validation, recorded_files: tuple[ModelFile, ...], native: NativePayload | None,
-    units: tuple[UnitImage, ...],
+    units: tuple[UnitImage, ...], *, credentials: tuple[str, ...] = (),
 ) -> CapsuleConfig:  # fmt: skip
     """What a capsule of *units* records, one unit or several: the redacted workload, the host it
     must be restored on (*fingerprint*), the engine, the reply restores must give, the weights."""
@@ -231,4 +247,5 @@ def capsule_config(
         validation=CapturedValidation(prompt=req.validation.prompt, max_tokens=req.validation.max_tokens, reply=validation.reply or "", request_ttft_seconds=validation.request_ttft_seconds, tokens=validation.tokens),
         weights=WeightsRecord(location="in-image" if r.driver.weights_in_image else "external", model_id=w.model.id, revision=w.model.revision, files=recorded_files, native=native),
         units=units,
+        credentials=credentials,
     )

@@ -9,6 +9,7 @@ import os
 import time
 from pathlib import Path
 
+from sparkrun_coldsnap import secrets
 from sparkrun_coldsnap.capsule.pack import PackedLayer, pack_unit
 from sparkrun_coldsnap.compat import pinning
 from sparkrun_coldsnap.controller.admit import admit_driver_here
@@ -23,7 +24,7 @@ from sparkrun_coldsnap.errors import CaptureError, ColdsnapError, RequestError, 
 from sparkrun_coldsnap.host import disk_room, engine_temp, leftovers, paths
 from sparkrun_coldsnap.host.iouring import io_uring_disabled
 from sparkrun_coldsnap.host.ports import port_holder
-from sparkrun_coldsnap.host.process_tree import tree_pids
+from sparkrun_coldsnap.host.process_tree import environ_and_argv, tree_pids
 from sparkrun_coldsnap.launch.base import RunningUnit
 from sparkrun_coldsnap.progress import Progress
 from sparkrun_coldsnap.units.resolved import Resolved, resolve
@@ -72,9 +73,16 @@ class HereCapture:
         """The engine started with what its driver needs of the launch, io_uring off while it
         runs; the unit is the attempt's to stop on a failure, and a leftover until it ends."""
         if self.live:
+            # Already running: whatever credentials it was given are in its memory; the capsule says which.
+            held: set[str] = set()
+            for pid in tree_pids(self.running.root_pid):
+                held.update(secrets.held_by(*environ_and_argv(pid)))
+            c.hold_credentials(held)
             return time.monotonic()
         req, r, rb, w = c.req, c.r, c.rb, c.req.workload
-        command, env = r.adapter.prepare_launch(w.launch.command, r.launcher.engine_env(w, r.engine_env, c.settings.environ), release_weights=r.driver.needs_release, native_weights=c.native_wanted)
+        launch = secrets.for_capture(w.launch.command, r.launcher.engine_env(w, r.engine_env, c.settings.environ), given=w.launch.env, serving=r.adapter.serving_credentials)
+        c.launched_with(launch)
+        command, env = r.adapter.prepare_launch(launch.command, launch.env, release_weights=r.driver.needs_release, native_weights=c.native_wanted)
         launched = command, dict(env)
         command, env = r.driver.launch_settings(command, env, adapter=r.adapter, topology=w.topology)
         if (command, env) != launched:  # what the driver needs of the launch, for whoever reads the receipt

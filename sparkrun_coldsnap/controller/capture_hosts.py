@@ -16,9 +16,10 @@ layers are in. A failure stops what the capture started on every host.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from sparkrun_coldsnap import secrets
 from sparkrun_coldsnap.capsule.pack import PackedLayer
 from sparkrun_coldsnap.compat.fingerprint import compare
 from sparkrun_coldsnap.controller import socket_ifnames, units_weights
@@ -66,7 +67,7 @@ class HostsCapture:
 
     def admit(self, c: Capturing) -> None:
         w, units = c.req.workload, self.units
-        self.launches = capture_launches(c.r, w, units, c.rb, native_wanted=c.native_wanted)  # a refused setting stops it here, before anything starts
+        self.launches = capture_launches(c.r, w, units, c.rb, native_wanted=c.native_wanted, on_launch=c.launched_with)  # a refused setting stops it here, before anything starts
         self.hosts.check_reachable(units)
         self.head_fingerprint = self._capture_facts(c)
         # Bound here, in admission: a host where the collectives' interface cannot be found is
@@ -189,14 +190,20 @@ def remove_on_hosts(hosts: UnitHosts, units: Sequence[LaunchUnit], dirs: dict[st
                 hosts.call(u, RemoveStep(paths=(dirs[u.name],)), timeout=300)
 
 
-def capture_launches(r: Resolved, w: Workload, units: Sequence[LaunchUnit], rb: ReceiptBuilder, *, native_wanted: bool) -> dict[str, tuple[str, dict[str, str]]]:
+def capture_launches(
+    r: Resolved, w: Workload, units: Sequence[LaunchUnit], rb: ReceiptBuilder, *, native_wanted: bool, on_launch: Callable[[secrets.CaptureLaunch], None] | None = None,
+) -> dict[str, tuple[str, dict[str, str]]]:  # fmt: skip
     """Each unit's command and environment for capture: the recipe's, with what the engine
     needs to release its memory and write its native payload, and what the driver needs to
     checkpoint it (n610, several ranks: collectives that share no device memory, over sockets
     on the interfaces placement chose). What the driver added goes in the receipt."""
     out = {}
     for u in units:
-        launched = r.adapter.prepare_launch(*recipe_launch(w)(u), release_weights=r.driver.needs_release, native_weights=native_wanted)
+        command, env = recipe_launch(w)(u)
+        launch = secrets.for_capture(command, env, given=env, serving=r.adapter.serving_credentials)
+        if on_launch is not None:
+            on_launch(launch)
+        launched = r.adapter.prepare_launch(launch.command, launch.env, release_weights=r.driver.needs_release, native_weights=native_wanted)
         command, env = r.driver.launch_settings(*launched, adapter=r.adapter, topology=w.topology)
         if (command, env) != launched and "driver_launch" not in rb.details:  # the same for every unit
             rb.details["driver_launch"] = {"flags": command[len(launched[0]) :].split(), "env": {k: v for k, v in env.items() if launched[1].get(k) != v}}

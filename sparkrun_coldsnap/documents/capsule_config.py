@@ -74,6 +74,10 @@ class CapsuleConfig(Strict):
     validation: CapturedValidation
     weights: WeightsRecord
     units: tuple[UnitImage, ...]
+    credentials: tuple[str, ...] = Field(
+        (),
+        description="Names (never values) of the credentials the captured memory holds (--api-key, VLLM_API_KEY); publish refuses such a capsule unless told --allow-secrets.",
+    )
 
     @model_validator(mode="after")
     def _one_engine(self) -> CapsuleConfig:

@@ -14,6 +14,7 @@ from typing import Annotated
 from pydantic import AfterValidator, Field
 
 from sparkrun_coldsnap.documents.strict import Strict
+from sparkrun_coldsnap.documents.values import shown
 from sparkrun_coldsnap.errors import RequestError
 
 NAME_PATTERN = r"^[a-z0-9]+(?:[._-][a-z0-9]+)*$"
@@ -21,22 +22,26 @@ TAG_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$"
 _NAME_RE = re.compile(NAME_PATTERN)
 _TAG_RE = re.compile(TAG_PATTERN)
 DEFAULT_TAG = "latest"
+#: longest capsule name: a path component of the store with room for what is added to it
+MAX_NAME = 128
 
 
 def check_capsule_name(value: str) -> str:
+    if len(value) > MAX_NAME:
+        raise ValueError("capsule name %s is longer than %d characters" % (shown(value), MAX_NAME))
     if not _NAME_RE.match(value):
-        raise ValueError("capsule name %r must be lower-case letters, digits and . _ - separators" % value)
+        raise ValueError("capsule name %s must be lower-case letters, digits and . _ - separators" % shown(value))
     return value
 
 
 def check_tag(value: str) -> str:
     if not _TAG_RE.match(value):
-        raise ValueError("tag %r must match [A-Za-z0-9_][A-Za-z0-9._-]{0,127}" % value)
+        raise ValueError("tag %s must match [A-Za-z0-9_][A-Za-z0-9._-]{0,127}" % shown(value))
     return value
 
 
 #: a capsule name, as a field of a document (the pattern goes into its JSON Schema too)
-CapsuleNameField = Annotated[str, AfterValidator(check_capsule_name), Field(json_schema_extra={"pattern": NAME_PATTERN})]
+CapsuleNameField = Annotated[str, AfterValidator(check_capsule_name), Field(json_schema_extra={"pattern": NAME_PATTERN, "maxLength": MAX_NAME})]
 #: a capsule tag, as a field of a document
 TagField = Annotated[str, AfterValidator(check_tag), Field(json_schema_extra={"pattern": TAG_PATTERN})]
 
@@ -54,7 +59,7 @@ class CapsuleRef(Strict):
         name, sep, tag = text.rpartition(":")
         if not sep:
             name, tag = text, DEFAULT_TAG
-        return cls.of(name, tag, what="%s %r" % (what, text), fix="write it as NAME[:TAG]")
+        return cls.of(name, tag, what="%s %s" % (what, shown(text)), fix="write it as NAME[:TAG]")
 
     @classmethod
     def of(cls, name: str, tag: str = DEFAULT_TAG, *, what: str = "capsule", fix: str = "rename it") -> CapsuleRef:

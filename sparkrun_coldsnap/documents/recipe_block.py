@@ -14,6 +14,7 @@ from pydantic import ValidationError as PydanticValidationError
 from sparkrun_coldsnap.documents.capsule_ref import DEFAULT_TAG, CapsuleNameField, CapsuleRef, TagField
 from sparkrun_coldsnap.documents.strict import Strict, allowed_keys, one_line
 from sparkrun_coldsnap.documents.tokens import DEFAULT_LOGPROB_TOLERANCE
+from sparkrun_coldsnap.documents.values import Ident, Label, PathName, PathText
 from sparkrun_coldsnap.errors import RequestError
 
 DEFAULT_PROMPT = "Reply with one short sentence: what is a cold start?"
@@ -22,10 +23,10 @@ DEFAULT_PROMPT = "Reply with one short sentence: what is a cold start?"
 class CapsuleSettings(Strict):
     name: CapsuleNameField | None = Field(None, description="Capsule name in the store; defaults to the recipe's name.")
     tag: TagField = Field(DEFAULT_TAG, description="Tag of the capsule to capture into and restore from.")
-    store: str | None = Field(None, description="Local capsule store (an OCI image layout directory).")
-    repository: str | None = Field(None, description="OCI repository (REGISTRY/REPO[:TAG]) to pull the capsule from when it is missing locally.")
+    store: PathText | None = Field(None, description="Local capsule store (an OCI image layout directory).")
+    repository: Label | None = Field(None, description="OCI repository (REGISTRY/REPO[:TAG]) to pull the capsule from when it is missing locally.")
     plain_http: bool = Field(False, description="Talk to the registry over plain HTTP (a registry on loopback, say).")
-    ca_file: str | None = Field(None, description="CA certificate bundle to verify the registry's TLS certificate with.")
+    ca_file: PathText | None = Field(None, description="CA certificate bundle to verify the registry's TLS certificate with.")
     pull_weights: bool = Field(True, description="Fetch the model files from the capsule's weights artifact when they are missing here.")
     pull_native: bool = Field(True, description="Fetch the capsule's native weight payload, when it was published, with the capsule (weights: auto or native).")
 
@@ -48,9 +49,9 @@ class ValidationSettings(Strict):
 
 class ColdsnapBlock(Strict):
     capsule: CapsuleSettings = Field(default_factory=CapsuleSettings)
-    driver: str = Field("auto", description="Snapshot driver: auto, cpu, n610 or n580.")
-    engine: str | None = Field(None, description="Engine adapter; defaults from the recipe's runtime (vllm, sglang).")
-    engine_env: str | None = Field(None, description="Local engine environment (installed by `sparkrun coldsnap setup`) for host-process workloads.")
+    driver: Ident = Field("auto", description="Snapshot driver: auto, cpu, n610 or n580.")
+    engine: Ident | None = Field(None, description="Engine adapter; defaults from the recipe's runtime (vllm, sglang).")
+    engine_env: PathName | None = Field(None, description="Local engine environment (installed by `sparkrun coldsnap setup`) for host-process workloads.")
     weights: Literal["auto", "native", "recovery", "in-image"] = Field("auto", description="How weights come back after restore.")
     validation: ValidationSettings = Field(default_factory=ValidationSettings)
     on_missing: Literal["vanilla", "fail"] = Field("vanilla", description="When the capsule does not exist: start the engine vanilla, or fail.")

@@ -17,6 +17,7 @@ from sparkrun_coldsnap.digests import canonical_json, sha256_bytes
 from sparkrun_coldsnap.documents.capsule_ref import CapsuleRef
 from sparkrun_coldsnap.documents.strict import Strict
 from sparkrun_coldsnap.documents.tokens import DEFAULT_LOGPROB_TOLERANCE
+from sparkrun_coldsnap.documents.values import AbsolutePath, CommandText, Device, EnvName, EnvValue, HostName, Ident, Label, PathName, Size, VolumePath, shown
 
 REQUEST_FORMAT: Literal[1] = 1
 
@@ -33,7 +34,7 @@ def revision_problem(value: object) -> str | None:
     if value is None or value == "":
         return "model_revision is missing: a capsule is bound to exact weights; pin the model's commit hash (model_revision: <40 hex digits>)"
     if not is_immutable_revision(str(value)):
-        return "model_revision %r is not immutable: a capsule is bound to exact weights, pin the commit hash (40 hex digits)" % str(value)
+        return "model_revision %s is not immutable: a capsule is bound to exact weights, pin the commit hash (40 hex digits)" % shown(str(value), 80)
     return None
 
 
@@ -43,31 +44,31 @@ def redact_env(env: dict[str, str]) -> dict[str, str]:
 
 
 class ModelRef(Strict):
-    id: str = Field(min_length=1, description="Model id, e.g. Qwen/Qwen3-8B.")
+    id: Label = Field(min_length=1, description="Model id, e.g. Qwen/Qwen3-8B.")
     revision: str = Field(description="Immutable revision: a 40- or 64-hex commit or content id.")
-    path: str | None = Field(None, description="Local directory holding the model files (the weights path).")
+    path: AbsolutePath | None = Field(None, description="Local directory holding the model files (the weights path).")
 
     @field_validator("revision")
     @classmethod
     def _immutable(cls, v: str) -> str:
         if not is_immutable_revision(v):
-            raise ValueError("model revision %r is not immutable: pin a commit hash (40 hex digits)" % v)
+            raise ValueError("model revision %s is not immutable: pin a commit hash (40 hex digits)" % shown(v, 80))
         return v
 
 
 class LaunchUnit(Strict):
     """One engine process tree: a rank on a host."""
 
-    name: str = Field(description="Unit name, e.g. 'solo' or 'rank-0'.")
-    host: str = Field(description="Host the unit runs on.")
+    name: PathName = Field(description="Unit name, e.g. 'solo' or 'rank-0'.")
+    host: HostName = Field(description="Host the unit runs on.")
     rank: int = Field(0, ge=0, description="The unit's node rank: its place in the host order sparkrun placed (0 is the head).")
-    devices: tuple[str, ...] = Field((), description="Accelerator indices the unit sees; empty on CPU.")
-    command: str | None = Field(None, description="This unit's serve command, where units differ (a distributed engine's node rank, master address, --headless); none: launch.command.")
-    env: dict[str, str] = Field(default_factory=dict, description="What this unit's environment adds to or changes in launch.env (its host's address and interfaces).")
+    devices: tuple[Device, ...] = Field((), description="Accelerator indices the unit sees; empty on CPU.")
+    command: CommandText | None = Field(None, description="This unit's serve command, where units differ (a distributed engine's node rank, master address, --headless); none: launch.command.")
+    env: dict[EnvName, EnvValue] = Field(default_factory=dict, description="What this unit's environment adds to or changes in launch.env (its host's address and interfaces).")
 
 
 class Topology(Strict):
-    hosts: tuple[str, ...] = Field(min_length=1)
+    hosts: tuple[HostName, ...] = Field(min_length=1)
     tensor_parallel: int = Field(1, ge=1)
     pipeline_parallel: int = Field(1, ge=1)
     units: tuple[LaunchUnit, ...] = Field(min_length=1)
@@ -75,32 +76,32 @@ class Topology(Strict):
 
 class Launch(Strict):
     executor: Literal["local", "docker"] = Field(description="How sparkrun places the engine: host processes or containers.")
-    command: str = Field(min_length=1, description="Serve command as rendered by sparkrun's runtime.")
-    env: dict[str, str] = Field(default_factory=dict)
+    command: CommandText = Field(min_length=1, description="Serve command as rendered by sparkrun's runtime.")
+    env: dict[EnvName, EnvValue] = Field(default_factory=dict)
     port: int = Field(ge=1, le=65535)
-    engine_env: str | None = Field(None, description="Local engine environment name (host-process workloads).")
-    image: str | None = Field(None, description="Container image pinned by digest (name@sha256:...).")
-    volumes: dict[str, str] = Field(default_factory=dict, description="Container volumes, host path -> container path.")
-    shm_size: str | None = Field(None, description="Container /dev/shm size.")
+    engine_env: PathName | None = Field(None, description="Local engine environment name (host-process workloads).")
+    image: Label | None = Field(None, description="Container image pinned by digest (name@sha256:...).")
+    volumes: dict[VolumePath, VolumePath] = Field(default_factory=dict, description="Container volumes, host path -> container path.")
+    shm_size: Size | None = Field(None, description="Container /dev/shm size.")
 
     @field_validator("image")
     @classmethod
     def _pinned(cls, v: str | None) -> str | None:
         if v is not None and not _PINNED_IMAGE_RE.match(v):
-            raise ValueError("container image %r is not pinned by digest: use name@sha256:<digest>" % v)
+            raise ValueError("container image %s is not pinned by digest: use name@sha256:<digest>" % shown(v, 200))
         return v
 
 
 class Workload(Strict):
     """What runs: the identity a capsule is checked against before restore."""
 
-    recipe: str = Field(description="Recipe name.")
-    engine: str = Field(description="Engine adapter name (vllm, sglang).")
-    runtime: str = Field(description="sparkrun runtime that renders the command.")
+    recipe: Label = Field(description="Recipe name.")
+    engine: Ident = Field(description="Engine adapter name (vllm, sglang).")
+    runtime: Ident = Field(description="sparkrun runtime that renders the command.")
     model: ModelRef
     topology: Topology
     launch: Launch
-    driver: str = Field(description="Snapshot driver (cpu, n610, n580).")
+    driver: Ident = Field(description="Snapshot driver (cpu, n610, n580).")
     weights: Literal["auto", "native", "recovery", "in-image"] = "auto"
 
     def redacted(self) -> Workload:
@@ -159,8 +160,8 @@ class RestoreRequest(_WorkloadRequest):
     on_missing: Literal["vanilla", "fail"] = "vanilla"
     on_incompatible: Literal["vanilla", "fail"] = Field("vanilla", description="Admission refused: start vanilla, or fail.")
     recapture: bool = Field(False, description="After a vanilla start instead of a restore, capture again and serve from the new capsule.")
-    workload_name: str = Field(description="Name sparkrun tracks the running workload by (its executor's record name).")
-    workload_labels: dict[str, str] = Field(default_factory=dict, description="Container labels sparkrun's executor gives its workloads.")
+    workload_name: PathName = Field(description="Name sparkrun tracks the running workload by (its executor's record name).")
+    workload_labels: dict[Label, Label] = Field(default_factory=dict, description="Container labels sparkrun's executor gives its workloads.")
 
 
 def request_digest(request: _WorkloadRequest) -> str:

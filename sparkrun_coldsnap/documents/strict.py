@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
 from pydantic import ValidationError as PydanticValidationError
 
@@ -31,7 +33,7 @@ def one_line(err: PydanticValidationError, *, prefix: str, known: dict[str, list
     """
     parts: list[str] = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
+        loc = ".".join(_place(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
             parent = ".".join(str(p) for p in e["loc"][:-1])
             allowed = (known or {}).get(parent)
@@ -42,6 +44,18 @@ def one_line(err: PydanticValidationError, *, prefix: str, known: dict[str, list
         else:
             parts.append("%s: %s" % (loc or "value", e["msg"].lower()))
     return "%s: %s" % (prefix, "; ".join(parts))
+
+
+def _place(part: str | int) -> str:
+    """One step of an error's location; a key the document chose is quoted when it is not plain,
+    so a newline or a long key in the input cannot break the message's one line."""
+    text = str(part)
+    if isinstance(part, int) or _PLAIN_KEY.match(text):
+        return text
+    return repr(text) if len(text) <= 40 else "%r... (%d characters)" % (text[:40], len(text))
+
+
+_PLAIN_KEY = re.compile(r"^[A-Za-z0-9_\[\]-]{1,64}$")
 
 
 def allowed_keys(model: type[BaseModel], path: str = "") -> dict[str, list[str]]:

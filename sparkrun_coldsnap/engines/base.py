@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from sparkrun_coldsnap.engines.openai_stream import StreamedReply, stream_chat, wait_until_ok
@@ -16,6 +16,8 @@ from sparkrun_coldsnap.errors import EngineError
 class Endpoint:
     base_url: str
     served_model: str
+    #: the key the engine was told to check (``--api-key``): validation requests carry it
+    api_key: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ class EngineAdapter(ABC):
     #: console scripts and the module each one runs, for the template launcher.
     console_scripts: ClassVar[dict[str, str]] = {}
     #: the serve flags that name the model (a repo id or a directory) and pin its revision.
+    #: variables the engine serves with (an API key it checks): a capture keeps them, and the capsule names them
+    serving_credentials: ClassVar[tuple[str, ...]] = ()
     model_flags: ClassVar[tuple[str, ...]] = ("--model",)
     revision_flag: ClassVar[str] = "--revision"
     #: Several GPU ranks (cuda/ranks.py): flags that keep the engine's own collectives
@@ -95,7 +99,7 @@ class EngineAdapter(ABC):
         return flag_value(command, "--served-model-name") or model_id
 
     def endpoint(self, command: str, model_id: str, port: int) -> Endpoint:
-        return Endpoint("http://127.0.0.1:%d" % port, self.served_model(command, model_id))
+        return Endpoint("http://127.0.0.1:%d" % port, self.served_model(command, model_id), flag_value(command, "--api-key"))
 
     # -- launch ---------------------------------------------------------
 
@@ -108,7 +112,7 @@ class EngineAdapter(ABC):
         return wait_until_ok(endpoint.base_url + self.health_path, deadline_seconds=timeout, alive=alive, on_tick=on_tick, request_timeout=self.health_timeout)
 
     def validate(self, endpoint: Endpoint, *, prompt: str, max_tokens: int, timeout: float) -> StreamedReply:
-        reply = stream_chat(endpoint.base_url, endpoint.served_model, prompt, max_tokens=max_tokens, timeout=timeout, extra=self.token_fields)
+        reply = stream_chat(endpoint.base_url, endpoint.served_model, prompt, max_tokens=max_tokens, timeout=timeout, extra=self.token_fields, api_key=endpoint.api_key)
         if not reply.text:
             raise EngineError("the engine at %s answered the validation prompt with an empty reply" % endpoint.base_url)
         return reply

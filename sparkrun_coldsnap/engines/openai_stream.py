@@ -85,15 +85,18 @@ class _Tokens:
         return tuple(self.ids), tuple(self.logprobs)
 
 
-def stream_chat(base_url: str, model: str, prompt: str, *, max_tokens: int, timeout: float, extra: Mapping[str, Any] | None = None) -> StreamedReply:
-    """The streamed reply to *prompt*; *extra*: request fields of the engine's (the token record's)."""
+def stream_chat(base_url: str, model: str, prompt: str, *, max_tokens: int, timeout: float, extra: Mapping[str, Any] | None = None, api_key: str | None = None) -> StreamedReply:
+    """The streamed reply to *prompt*; *extra*: request fields of the engine's (the token record's); *api_key*: sent as a bearer token."""
     url = base_url.rstrip("/") + "/v1/chat/completions"
+    headers = {"Connection": "close"}
+    if api_key:
+        headers["Authorization"] = "Bearer " + api_key
     parts: list[str] = []
     tokens = _Tokens()
     first: float | None = None
     sent = time.monotonic()
     try:
-        with requests.post(url, json=chat_body(model, prompt, max_tokens, extra), stream=True, timeout=timeout, headers={"Connection": "close"}) as r:
+        with requests.post(url, json=chat_body(model, prompt, max_tokens, extra), stream=True, timeout=timeout, headers=headers) as r:
             if r.status_code != 200:
                 raise EngineError("validation request to %s failed: HTTP %d: %s" % (url, r.status_code, r.text[:300]))
             for raw in r.iter_lines():

