@@ -130,15 +130,7 @@ use_plugin() {
 
 # shellcheck disable=SC2317  # run by step
 chat() {
-  "$PY" - "$PORT" "$1" <<'EOF'
-import json, sys, time, urllib.request
-port, model = sys.argv[1], sys.argv[2]
-body = {"model": model, "messages": [{"role": "user", "content": "Say something about snapshots."}], "max_tokens": 24, "temperature": 0}
-req = urllib.request.Request("http://127.0.0.1:%s/v1/chat/completions" % port, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-t = time.monotonic()
-doc = json.load(urllib.request.urlopen(req, timeout=120))
-print("HTTP 200 in %.3f s, %d completion tokens: %r" % (time.monotonic() - t, doc["usage"]["completion_tokens"], doc["choices"][0]["message"]["content"]))
-EOF
+  "$PY" "$HERE/benchmarks/gpu/chat.py" "http://127.0.0.1:$PORT" "$1"
 }
 
 # restored STEP RECIPE: `sparkrun run`, which must restore the capsule and validate it.

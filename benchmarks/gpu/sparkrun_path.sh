@@ -97,15 +97,7 @@ if [ $FAILED = 0 ]; then
   STATUS_LOG=$RESULTS/status-$ENGINE.log
   step status sparkrun status | tee "$STATUS_LOG"
   grep -q "$(basename "$RECIPE" .yaml)\|$MODEL_ID" "$STATUS_LOG" && echo "listed by sparkrun status" || { echo "not listed by sparkrun status"; FAILED=1; }
-  step chat "$PY" - "$PORT" "$MODEL_ID" <<'EOF' || FAILED=1
-import json, sys, time, urllib.request
-port, model = sys.argv[1], sys.argv[2]
-body = {"model": model, "messages": [{"role": "user", "content": "Say something about snapshots."}], "max_tokens": 24, "temperature": 0}
-req = urllib.request.Request("http://127.0.0.1:%s/v1/chat/completions" % port, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-t = time.monotonic()
-doc = json.load(urllib.request.urlopen(req, timeout=120))
-print("HTTP 200 in %.3f s, %d completion tokens: %r" % (time.monotonic() - t, doc["usage"]["completion_tokens"], doc["choices"][0]["message"]["content"]))
-EOF
+  step chat "$PY" "$(dirname "$0")/chat.py" "http://127.0.0.1:$PORT" "$MODEL_ID" || FAILED=1
 fi
 step stop sparkrun stop "$RECIPE" || FAILED=1
 wait_gpu_released

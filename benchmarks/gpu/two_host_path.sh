@@ -137,14 +137,7 @@ leftovers() {
 }
 
 chat() {
-  "$PY" - "$1" <<'EOF'
-import json, sys, time, urllib.request
-body = {"model": sys.argv[1], "messages": [{"role": "user", "content": "Say something about snapshots."}], "max_tokens": 24, "temperature": 0}
-req = urllib.request.Request("http://198.18.200.1:8000/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-t = time.monotonic()
-doc = json.load(urllib.request.urlopen(req, timeout=120))
-print("HTTP 200 in %.3f s, %d completion tokens: %r" % (time.monotonic() - t, doc["usage"]["completion_tokens"], doc["choices"][0]["message"]["content"]))
-EOF
+  "$PY" "$(dirname "$0")/chat.py" "http://198.18.200.1:8000" "$1"
 }
 
 model_id() { "$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["model_id"])' "$MODEL_JSON"; }
