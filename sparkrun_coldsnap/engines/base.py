@@ -6,10 +6,13 @@ import shlex
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from sparkrun_coldsnap.engines.openai_stream import StreamedReply, stream_chat, wait_until_ok
 from sparkrun_coldsnap.errors import EngineError
+
+if TYPE_CHECKING:
+    from sparkrun_coldsnap.engines.serving_bench import ServingBench
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,8 @@ class EngineAdapter(ABC):
     ipc_free_flags: ClassVar[tuple[str, ...]] = ()
     ipc_flags: ClassVar[tuple[str, ...]] = ()
     ipc_free_env: ClassVar[dict[str, str]] = {}
+    #: the engine's own serving benchmark client (``bench --load``); None: the plugin drives none for it
+    serving_bench: ClassVar[ServingBench | None] = None
 
     # -- identity -------------------------------------------------------
 
