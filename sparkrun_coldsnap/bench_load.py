@@ -24,6 +24,7 @@ from sparkrun_coldsnap import __version__, api, extensions
 from sparkrun_coldsnap.api import ServingOutcome
 from sparkrun_coldsnap.bench import VANILLA
 from sparkrun_coldsnap.capsule.store import CapsuleStore
+from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.documents.request import RestoreRequest
 from sparkrun_coldsnap.engines.base import Endpoint
 from sparkrun_coldsnap.engines.serving_bench import EngineReport, LoadResult, LoadSpec, ServingBench
@@ -67,7 +68,7 @@ def drive(client: Client, spec: LoadSpec, *, result_file: Path, timeout: float) 
     """One run of the client against the serving engine; its result document kept at *result_file*."""
     result_file.parent.mkdir(parents=True, exist_ok=True)
     result_file.unlink(missing_ok=True)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # random prompts: nothing to download
+    env = settings.current().child_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # random prompts: nothing to download
     argv = [str(client.script), *client.bench.argv(spec, client.endpoint, tokenizer=client.tokenizer, result_file=result_file)]
     done = run_tool(argv, timeout=timeout, env=env, cwd=str(result_file.parent), what="the engine's serving benchmark")
     result_file.with_suffix(".out").write_text(done.stdout + done.stderr)
