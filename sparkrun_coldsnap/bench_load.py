@@ -47,6 +47,14 @@ class Client:
     tokenizer: str
 
 
+def load_spec(text: str) -> LoadSpec:
+    """``--load``'s SPEC, or the one-line error that says how to write it."""
+    try:
+        return LoadSpec.parse(text)
+    except ValueError as err:
+        raise RequestError("bench --load: %s" % err) from None
+
+
 def client_for(req: RestoreRequest) -> Client:
     """The load client of *req*'s engine, or a one-line refusal naming the fix."""
     w = req.workload

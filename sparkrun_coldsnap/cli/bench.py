@@ -35,12 +35,12 @@ def bench(recipe, hosts, cluster, options, offline, store, samples, out_dir, kee
     Captures the recipe first if its capsule does not exist yet. A recipe placed on several
     hosts is timed as a whole: every rank started, against every unit restored.
     """
-    from sparkrun_coldsnap import api
+    from sparkrun_coldsnap import api, bench_load
     from sparkrun_coldsnap import bench as bench_mod
     from sparkrun_coldsnap.integration import placement, planning
     from sparkrun_coldsnap.progress import Progress
 
-    spec = load_spec(load) if load is not None else None
+    spec = bench_load.load_spec(load) if load is not None else None
     if spec is not None and lifecycle:
         raise RequestError("bench --load and --lifecycle measure different things: give one of them")
     doc = check_recipe_file(recipe)
@@ -54,8 +54,6 @@ def bench(recipe, hosts, cluster, options, offline, store, samples, out_dir, kee
     if several and spec is not None:
         raise RequestError("bench --load drives a workload of one unit, %s places %d: leave out --load to time its start against its restore" % (recipe, len(req.workload.topology.units)))
     if spec is not None:
-        from sparkrun_coldsnap import bench_load
-
         bench_load.client_for(req)  # refused before anything is captured or started
     if not bench_mod.ensure_capsule(capsule_store, req.capsule.ref):
         progress.step("no capsule %s yet: capturing it first" % req.capsule.ref)
@@ -97,16 +95,6 @@ def bench(recipe, hosts, cluster, options, offline, store, samples, out_dir, kee
         return
     click.echo(lifecycle_bench.table(result) if lifecycle else bench_mod.table(result))
     click.echo("results: %s%s" % (json_path, ("; plot: %s" % png) if png else " (install matplotlib for the plot)"))
-
-
-def load_spec(text: str):
-    """``--load``'s SPEC, or the one-line error that says how to write it."""
-    from sparkrun_coldsnap.engines.serving_bench import LoadSpec
-
-    try:
-        return LoadSpec.parse(text)
-    except ValueError as err:
-        raise RequestError("bench --load: %s" % err) from None
 
 
 COMMANDS = [bench]
