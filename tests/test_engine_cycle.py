@@ -541,3 +541,33 @@ def test_bench_measures_one_vanilla_start_and_one_restore_and_reports_them(captu
         assert row(label) == ["%.2fs" % s["median"], "%.2fs" % s["min"], "%.2fs" % s["max"], "1"], cp.stdout
     assert "cpu: %.1fx faster than vanilla (medians)" % cpu["speedup_median"] in cp.stdout
     assert "results: %s; plot: %s" % (out_dir / "bench.json", out_dir / "bench.png") in cp.stdout
+
+
+def test_bench_load_drives_the_engines_own_benchmark_against_a_vanilla_start_and_a_restore(captured, sparkrun, tmp_path):
+    """One round of each, a few prompts: throughput on this shared 2-core host swings from round
+    to round, so only what must hold is asserted: no request failed on either side, both
+    answered the validation prompt with the capture's reply, and both report the same KV cache."""
+    store, recipe, receipt = captured
+    out_dir = tmp_path / "load"
+    load = "prompts=8,concurrency=4,input=32,output=16"
+    cp = sparkrun.coldsnap("bench", str(recipe), "-H", "localhost", "--samples", "1", "--keep-page-cache", "--load", load, "--out", str(out_dir))
+    wait_gone()
+    doc = json.loads((out_dir / "bench.json").read_text())
+    assert doc["kind"] == "load" and doc["recipe"] == "tiny" and doc["driver"] == "cpu" and doc["rounds"] == 1
+    assert doc["capsule"] == {"ref": "tiny:latest", "digest": receipt["capsule"]}
+    vanilla, restored = doc["samples"]
+    assert (vanilla["path"], restored["path"]) == ("vanilla", "restored")
+    for side in (vanilla, restored):
+        # The engine's benchmark ran every request, and wrote its own result beside the document.
+        assert side["load"]["completed"] == 8 and side["load"]["failed"] == 0 and side["load"]["errors"] == [], side["load"]
+        assert side["load"]["output_tokens_per_second"] > 0 and 0 < side["load"]["ttft_ms"]["p50"] <= side["load"]["ttft_ms"]["p99"]
+        raw = json.loads((out_dir / "client" / ("%s-0.json" % side["path"])).read_text())
+        assert raw["completed"] == 8 and raw["num_prompts"] == 8 and raw["max_concurrency"] == 4
+        assert side["reply"] == receipt["validation"]["reply"] and side["validated"] is True
+        assert side["memory_bytes"] > 0
+    assert vanilla["engine"]["kv_cache_blocks"] == restored["engine"]["kv_cache_blocks"] > 0
+    assert vanilla["engine"]["kv_cache_tokens"] == restored["engine"]["kv_cache_tokens"] > 0
+    assert doc["checks"] == {"no_errors": True, "same_replies": True, "same_kv_capacity": True, "all_validated": True}
+    assert restored["ttft_seconds"] < vanilla["ttft_seconds"] and restored["prepare_seconds"] > 0
+    assert "checks: no errors yes, same replies yes, same kv capacity yes, all validated yes" in cp.stdout
+    assert "results: %s" % (out_dir / "bench.json") in cp.stdout

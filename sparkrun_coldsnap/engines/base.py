@@ -6,10 +6,13 @@ import shlex
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from sparkrun_coldsnap.engines.openai_stream import StreamedReply, stream_chat, wait_until_ok
 from sparkrun_coldsnap.errors import EngineError
+
+if TYPE_CHECKING:
+    from sparkrun_coldsnap.engines.serving_bench import ServingBench
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,8 @@ class EngineAdapter(ABC):
     #: generated token's id and log-probability (the token oracle). vLLM and SGLang both take
     #: these; an engine that ignores them answers without a record, and its restores compare text.
     token_fields: ClassVar[dict[str, Any]] = {"logprobs": True, "top_logprobs": 1, "return_token_ids": True}
+    #: the engine's own serving benchmark client (``bench --load``); None: the plugin drives none for it
+    serving_bench: ClassVar[ServingBench | None] = None
 
     # -- identity -------------------------------------------------------
 

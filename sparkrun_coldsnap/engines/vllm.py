@@ -23,6 +23,7 @@ from typing import Any
 
 from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.engines.base import Endpoint, EngineAdapter, HydrationResult, has_flag, post
+from sparkrun_coldsnap.engines.vllm_bench import VLLM_SERVING_BENCH
 from sparkrun_coldsnap.errors import EngineError
 from sparkrun_coldsnap.hookspecs import hookimpl
 from sparkrun_coldsnap.weights.engine_side import DIRECTORY as ENGINE_SIDE_DIR
@@ -45,6 +46,7 @@ class VllmAdapter(EngineAdapter):
     # and FlashInfer's all-reduce map peers' memory too (each on by default where supported).
     ipc_free_flags = ("--disable-custom-all-reduce",)
     ipc_free_env = {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_ALLREDUCE_USE_FLASHINFER": "0", "VLLM_ALLREDUCE_USE_FLASHINFER_PCIE_IPC": "0"}
+    serving_bench = VLLM_SERVING_BENCH
 
     def prepare_launch(self, command: str, env: Mapping[str, str], *, release_weights: bool, native_weights: bool = False) -> tuple[str, dict[str, str]]:
         env = dict(env)
