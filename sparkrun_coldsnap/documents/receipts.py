@@ -37,7 +37,7 @@ class Phase(Strict):
 class Validation(Strict):
     passed: bool
     ttft_seconds: float | None = Field(None, description="Seconds from activation to the first non-empty streamed token.")
-    request_ttft_seconds: float | None = Field(None, description="Seconds from sending the validation request to its first token.")
+    request_ttft_seconds: float | None = Field(None, description="Seconds from sending the validation request to its first token (at capture: of the same request asked again, the engine warm).")
     reply: str | None = None
     expected_reply: str | None = None
     tokens: TokenRecord | None = Field(None, description="The reply's token ids and log-probabilities, when the engine returned them (a capture records these).")
