@@ -79,15 +79,9 @@ class Ranks:
 
         return self._script(host, listen_probe_cmd(port), timeout=30, check=False).returncode == 0
 
-    def log_summary(self, record: RankRecord, lines: int = 400) -> str:
-        """What the rank's log says of a failure: its first and last errors, else its last lines."""
-        done = self._script(record.unit.host, self.executor.logs_cmd(record.name, tail=lines), timeout=30, check=False)
-        return log_cause.summary(done.stdout)
-
-    def log_causes(self, record: RankRecord, lines: int = 400) -> list[str]:
-        """The errors the rank's log states (first and last), none where it states none."""
-        done = self._script(record.unit.host, self.executor.logs_cmd(record.name, tail=lines), timeout=30, check=False)
-        return log_cause.causes(done.stdout)
+    def log_text(self, record: RankRecord, lines: int = 400) -> str:
+        """The last *lines* of the rank's log (log_cause reads what it says of a failure)."""
+        return self._script(record.unit.host, self.executor.logs_cmd(record.name, tail=lines), timeout=30, check=False).stdout
 
     def stop_all(self) -> list[str]:
         """Stop every rank started here; the problems, if any, one per rank."""
@@ -108,7 +102,7 @@ def wait_rendezvous(ranks: Ranks, head: RankRecord, port: int, timeout: float = 
     t0 = time.monotonic()
     while not ranks.listening(head.unit.host, port):
         if not ranks.alive(head):
-            raise RestoreError("%s (%s) on host %s exited before it opened the rendezvous port %d; its log: %s" % (head.unit.name, head.name, head.unit.host, port, ranks.log_summary(head)))
+            raise RestoreError("%s (%s) on host %s exited before it opened the rendezvous port %d; its log: %s" % (head.unit.name, head.name, head.unit.host, port, log_cause.summary(ranks.log_text(head))))
         if time.monotonic() - t0 > timeout:
             raise RestoreError("%s on host %s did not open the rendezvous port %d in %.0f s" % (head.unit.name, head.unit.host, port, timeout))
         time.sleep(1.0)
@@ -121,7 +115,7 @@ def dead_ranks(ranks: Ranks) -> list[str]:
     for record in ranks.started:
         try:
             if not ranks.alive(record):
-                out.append("%s on host %s exited: %s" % (record.unit.name, record.unit.host, ranks.log_summary(record)))
+                out.append("%s on host %s exited: %s" % (record.unit.name, record.unit.host, log_cause.summary(ranks.log_text(record))))
         except ColdsnapError as err:
             out.append("%s on host %s: %s" % (record.unit.name, record.unit.host, err))
     return out

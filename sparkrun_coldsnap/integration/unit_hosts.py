@@ -18,6 +18,7 @@ from pathlib import Path
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.request import LaunchUnit
 from sparkrun_coldsnap.errors import ColdsnapError, IntegrityError, RequestError, ToolError
+from sparkrun_coldsnap.host import log_cause
 from sparkrun_coldsnap.integration.ranks import RankRecord, Ranks, dead_ranks, wait_rendezvous
 from sparkrun_coldsnap.integration.records import intent_pattern
 from sparkrun_coldsnap.launch.remote import Tick
@@ -98,7 +99,7 @@ class SparkrunUnitHosts:
         out = []
         for record in self.ranks.started:
             try:
-                found = self.ranks.log_causes(record)
+                found = log_cause.causes(self.ranks.log_text(record))
             except ColdsnapError:
                 continue  # a host that does not answer now: the failure itself says so
             if found:
