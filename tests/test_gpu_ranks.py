@@ -48,12 +48,30 @@ def test_one_rank_launches_as_the_recipe_says():
 
 def test_tensor_parallel_ranks_get_collectives_that_share_no_device_memory():
     command, env = gpu_ranks.launch_settings(VLLM, {"A": "1"}, adapter=VllmAdapter(), topology=topology(tp=2))
-    assert command == VLLM + " --disable-custom-all-reduce"
+    assert command == VLLM + " --disable-custom-all-reduce --worker-extension-cls coldsnap_worker.ColdsnapWorker --enforce-eager"
     assert env["NCCL_P2P_DISABLE"] == "1" and env["NCCL_SHM_DISABLE"] == "1" and env["NCCL_NVLS_ENABLE"] == "0" and env["NCCL_CUMEM_ENABLE"] == "0"
     assert env["NCCL_NET"] == "Socket" and env["NCCL_IB_DISABLE"] == "1"
     assert env["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "0" and env["VLLM_ALLREDUCE_USE_FLASHINFER"] == "0"
     assert env["NCCL_SOCKET_IFNAME"] == "lo" and env["GLOO_SOCKET_IFNAME"] == "lo"  # one host: ranks meet on loopback
     assert env["A"] == "1"
+
+
+def test_vllm_ranks_get_the_worker_extension_that_rebuilds_their_communicators_and_run_eagerly():
+    command, env = gpu_ranks.launch_settings(VLLM, {"PYTHONPATH": "/site"}, adapter=VllmAdapter(), topology=topology(tp=2))
+    assert "--worker-extension-cls coldsnap_worker.ColdsnapWorker" in command and command.endswith(" --enforce-eager")
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"  # /collective_rpc reaches every worker
+    extension_dir, site = env["PYTHONPATH"].split(":")
+    assert (Path(extension_dir) / "coldsnap_worker.py").is_file() and site == "/site"
+    assert gpu_ranks.rebuilds_communicators(VllmAdapter(), topology(tp=2)) and not gpu_ranks.rebuilds_communicators(VllmAdapter(), topology())
+    # The extension already there (native weights added it) is not given twice.
+    again, _ = gpu_ranks.launch_settings(command, env, adapter=VllmAdapter(), topology=topology(tp=2))
+    assert again.count("--worker-extension-cls") == 1 and again.count("--enforce-eager") == 1
+
+
+def test_a_recipe_with_its_own_worker_extension_is_refused_for_several_ranks():
+    with pytest.raises(RequestError, match=r"--worker-extension-cls my\.Ext .*remove it"):
+        gpu_ranks.launch_settings(VLLM + " --worker-extension-cls my.Ext", {}, adapter=VllmAdapter(), topology=topology(tp=2))
+    assert gpu_ranks.launch_settings(VLLM + " --worker-extension-cls my.Ext", {}, adapter=VllmAdapter(), topology=topology())[0].endswith("my.Ext")
 
 
 def test_pipeline_parallel_counts_as_several_ranks_and_a_flag_already_there_is_kept():

@@ -54,7 +54,7 @@ def reply(adapter, endpoint) -> str:
 def test_launch_mixes_the_extension_into_vllm_workers():
     adapter = extensions.registry().engine("vllm")
     command, env = adapter.prepare_launch("vllm serve m", {"PYTHONPATH": "/engine/site"}, release_weights=True, native_weights=True)
-    assert "--enable-sleep-mode" in command and "--worker-extension-cls coldsnap_native_weights.NativeWeights" in command
+    assert "--enable-sleep-mode" in command and "--worker-extension-cls coldsnap_worker.ColdsnapWorker" in command
     assert env["PYTHONPATH"].endswith(":/engine/site") and env["VLLM_SERVER_DEV_MODE"] == "1"
     # A recipe's own extension is kept; the native path is then unavailable, not forced.
     command, _ = adapter.prepare_launch("vllm serve m --worker-extension-cls my.Ext", {}, release_weights=True, native_weights=True)
@@ -135,6 +135,24 @@ def test_export_seal_and_read_back_replace_the_served_weights(engine, use_settin
         f.write(b"\x01")
     (problem,) = native_payload.problems(record)
     assert record.digest[:19] in problem and "does not match" in problem
+
+
+@pytest.mark.engine
+def test_the_same_extension_detaches_and_attaches_communicators_in_the_real_worker(engine):
+    """One rank on the CPU holds no NCCL communicator: the extension's walk over vLLM's groups
+    and torch's process groups runs for real and finds none to rebuild; attach before detach
+    makes nothing, detach twice is refused, and the engine serves on."""
+    adapter, endpoint, _ = engine
+    before = reply(adapter, endpoint)
+    assert [d["attached"] for d in adapter.attach_communicators(endpoint)] == [[]]
+    detached = adapter.detach_communicators(endpoint)
+    assert [(d["rank"], d["detached"]) for d in detached] == [(0, [])]
+    assert [d["attached"] for d in adapter.attach_communicators(endpoint)] == [[]]
+    adapter.detach_communicators(endpoint)
+    with pytest.raises(EngineError, match="already detached"):
+        adapter.detach_communicators(endpoint)
+    adapter.attach_communicators(endpoint)
+    assert reply(adapter, endpoint) == before
 
 
 @pytest.mark.engine

@@ -207,6 +207,11 @@ def _checkpoint_at_capture_point(c: Capturing, units: CaptureUnits, staging: Pat
         if r.driver.needs_release:
             with rb.phase("release_memory"), c.progress.waiting("releasing the engine's device memory"):
                 r.adapter.release_memory(units.endpoint(c))
+            if r.driver.rebuilds_communicators(r.adapter, c.req.workload.topology):
+                # A communicator kept across the CUDA checkpoint breaks its process's context
+                # (cuda/ranks.py): the workers destroy theirs now; the restore makes them again.
+                with rb.phase("detach_communicators"), c.progress.waiting("destroying the workers' NCCL communicators"):
+                    rb.details["communicators_detached"] = list(r.adapter.detach_communicators(units.endpoint(c)))
     else:
         with rb.phase("boundary"), c.progress.waiting("waiting for the engine to reach the %s driver's boundary" % r.driver.name):
             units.await_boundary(c)

@@ -194,6 +194,9 @@ class HereCapture:
             c.rb.details["workload_state"] = "running" if self.unit.alive() else "gone"
             return
         try:
+            if "detach_communicators" in {p.name for p in c.rb.phases}:
+                with c.rb.phase("attach_after_failure"):
+                    c.r.adapter.attach_communicators(self.endpoint(c))
             with c.rb.phase("wake_after_failure"):
                 c.r.adapter.wake(self.endpoint(c), 2, model_dir=c.req.workload.model.path or "")
             c.rb.details["workload_state"] = "running"

@@ -176,6 +176,11 @@ def activate(prepared: PreparedRestore, *, log_path: Path | None = None, progres
                 endpoint = units.endpoint(prepared)
                 if prepared.weights is None and not r.driver.engine_loads_weights:
                     rb.weights = Weights(path="in-image")
+                if r.driver.rebuilds_communicators(r.adapter, req.workload.topology):
+                    # The workers destroyed their NCCL communicators before the checkpoint: made
+                    # again over the CPU groups that came back with them, before the weights wake.
+                    with rb.phase("attach_communicators"), progress.waiting("making the workers' NCCL communicators again"):
+                        rb.details["communicators_attached"] = list(r.adapter.attach_communicators(endpoint))
                 units.weights_back(prepared, running, endpoint, progress)
                 expected = req.validation.expected_reply or cap.config.validation.reply
                 with rb.phase("validate"):

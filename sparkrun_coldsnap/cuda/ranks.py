@@ -14,9 +14,18 @@ Why the ranks are launched the way they are
     ``IPC_FREE_NCCL`` in its environment and the engine's IPC-free flags, and the ranks of
     one host talk over loopback: their connections are TCP connections between processes
     of the same tree, which CRIU restores with both ends (``--tcp-established``), and they
-    do not depend on the host's address. The communicators are kept, not torn down: their
-    device buffers come back at the same addresses with the rest of the process's device
-    memory, so CUDA graphs that captured them stay valid.
+    do not depend on the host's address.
+
+Why the communicators are rebuilt, not kept
+    On driver 580 an NCCL communicator kept across the checkpoint breaks its process's
+    context even over sockets, sharing nothing: two ranks on one H100 failed their first
+    kernel after the unlock ("unspecified launch failure") where two plain CUDA processes
+    came through the same cut (docs/gpu-ranks.md). So an engine whose workers can rebuild
+    them (``EngineAdapter.rebuilds_communicators``) is launched with what that takes
+    (vLLM: the plugin's worker extension, and eager execution, since CUDA graphs that
+    captured NCCL kernels keep the communicator alive); the controller has every worker
+    destroy its communicators while the engine sleeps, before the lock, and make them again
+    over the CPU group that came back with the process, after the unlock, before the wake.
 
 The order over every CUDA process of the tree
     Capture: lock every process (no rank may run a kernel once a peer is frozen), then
@@ -86,7 +95,15 @@ def launch_settings(command: str, env: Mapping[str, str], *, adapter: EngineAdap
     for flag in adapter.ipc_free_flags:
         if not has_flag(command, flag):
             command = command + " " + flag
+    if adapter.rebuilds_communicators:
+        command, out = adapter.communicator_launch(command, out)
     return command, out
+
+
+def rebuilds_communicators(adapter: EngineAdapter, topology: Topology) -> bool:
+    """Whether the workers' NCCL communicators are destroyed before the CUDA checkpoint and made
+    again after it (several ranks, an engine that can)."""
+    return several_ranks(topology) and adapter.rebuilds_communicators
 
 
 def capture[T](api: CheckpointApi, pids: Sequence[int], dump: Callable[[], T], *, timeout_ms: int = cuda_checkpoint.LOCK_TIMEOUT_MS) -> T:

@@ -94,6 +94,11 @@ class SnapshotDriver(ABC):
         of several GPU ranks: collectives the checkpoint can carry). Unchanged by default."""
         return command, dict(env)
 
+    def rebuilds_communicators(self, adapter: EngineAdapter, topology: Topology) -> bool:
+        """Whether the engine's NCCL communicators must be destroyed before this driver's
+        checkpoint and made again after its restore (the controller asks the engine to)."""
+        return False
+
     def await_boundary(self, unit: RunningUnit, log_path: Path, timeout: float) -> None:
         """Wait until a freshly launched engine reaches the point this driver captures at.
 

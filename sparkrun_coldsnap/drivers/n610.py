@@ -71,6 +71,9 @@ class N610Driver(CriuDriver):
         # Several ranks: collectives that share no device memory between processes (cuda/ranks.py).
         return gpu_ranks.launch_settings(command, env, adapter=adapter, topology=topology)
 
+    def rebuilds_communicators(self, adapter: EngineAdapter, topology: Topology) -> bool:
+        return gpu_ranks.rebuilds_communicators(adapter, topology)
+
     def precheck(self, root_pid: int) -> list[str]:
         # Device files are allowed here: the checkpoint API closes them before the dump.
         return tree_inspect.problems(root_pid, allowed_device_prefixes=("/dev/nvidia",))

@@ -91,6 +91,10 @@ class EngineAdapter(ABC):
     token_fields: ClassVar[dict[str, Any]] = {"logprobs": True, "top_logprobs": 1, "return_token_ids": True}
     #: the engine's own serving benchmark client (``bench --load``); None: the plugin drives none for it
     serving_bench: ClassVar[ServingBench | None] = None
+    #: the engine's workers can destroy their NCCL communicators before the CUDA checkpoint and
+    #: make them again after it (``detach_communicators``/``attach_communicators``): a
+    #: communicator kept across the checkpoint breaks its process's context (docs/gpu-ranks.md)
+    rebuilds_communicators: ClassVar[bool] = False
 
     # -- identity -------------------------------------------------------
 
@@ -163,6 +167,21 @@ class EngineAdapter(ABC):
     def wake(self, endpoint: Endpoint, level: int, *, model_dir: str) -> HydrationResult:
         """Take back what ``sleep`` at *level* released; weights dropped come back from *model_dir*."""
         return self.hydrate(endpoint, path="recovery", model_dir=model_dir)
+
+    # -- communicators around the CUDA checkpoint (several GPU ranks) ----
+
+    def communicator_launch(self, command: str, env: Mapping[str, str]) -> tuple[str, dict[str, str]]:
+        """The command and environment that let the workers rebuild their communicators
+        (``rebuilds_communicators`` adapters)."""
+        raise EngineError("%s cannot rebuild its NCCL communicators around a CUDA checkpoint" % self.name)
+
+    def detach_communicators(self, endpoint: Endpoint) -> tuple[dict[str, Any], ...]:
+        """Every worker destroys its NCCL communicators (the engine asleep); what each reported."""
+        raise EngineError("%s cannot rebuild its NCCL communicators around a CUDA checkpoint" % self.name)
+
+    def attach_communicators(self, endpoint: Endpoint) -> tuple[dict[str, Any], ...]:
+        """Every worker makes again the communicators it detached (after the unlock, before the wake)."""
+        raise EngineError("%s cannot rebuild its NCCL communicators around a CUDA checkpoint" % self.name)
 
     def export_native(self, endpoint: Endpoint, directory: str) -> tuple[dict[str, Any], ...]:
         """Have the serving engine write its loaded weights to *directory* (one file set per worker)."""

@@ -8,10 +8,14 @@ and the KV cache re-allocated. Two ways to fill it:
 
 * native: each worker reads back the flat payload it wrote at capture
   (``engine_side/coldsnap_native_weights.py``, mixed into vLLM's workers with
-  ``--worker-extension-cls`` and called through ``/collective_rpc``);
+  ``--worker-extension-cls coldsnap_worker.ColdsnapWorker`` and called through ``/collective_rpc``);
 * recovery: the engine's own in-place ``reload_weights`` from the model files.
 
 vLLM has no sleep mode on the CPU: there the weights stay in the image.
+
+Several GPU ranks: the same extension destroys each worker's NCCL communicators while the
+engine sleeps, before the CUDA checkpoint, and makes them again after the restore's unlock
+(``engine_side/coldsnap_communicators.py``).
 """
 
 from __future__ import annotations
@@ -22,13 +26,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from sparkrun_coldsnap.documents import settings
-from sparkrun_coldsnap.engines.base import Endpoint, EngineAdapter, HydrationResult, has_flag, post
+from sparkrun_coldsnap.engines.base import Endpoint, EngineAdapter, HydrationResult, flag_value, has_flag, post
 from sparkrun_coldsnap.engines.vllm_bench import VLLM_SERVING_BENCH
-from sparkrun_coldsnap.errors import EngineError
+from sparkrun_coldsnap.errors import EngineError, RequestError
 from sparkrun_coldsnap.hookspecs import hookimpl
 from sparkrun_coldsnap.weights.engine_side import DIRECTORY as ENGINE_SIDE_DIR
 
-NATIVE_EXTENSION = "coldsnap_native_weights.NativeWeights"
+#: the one worker extension vLLM takes: the native payload and the communicators' rebuild
+WORKER_EXTENSION = "coldsnap_worker.ColdsnapWorker"
 
 
 class VllmAdapter(EngineAdapter):
@@ -47,6 +52,7 @@ class VllmAdapter(EngineAdapter):
     ipc_free_flags = ("--disable-custom-all-reduce",)
     ipc_free_env = {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_ALLREDUCE_USE_FLASHINFER": "0", "VLLM_ALLREDUCE_USE_FLASHINFER_PCIE_IPC": "0"}
     serving_bench = VLLM_SERVING_BENCH
+    rebuilds_communicators = True
 
     def prepare_launch(self, command: str, env: Mapping[str, str], *, release_weights: bool, native_weights: bool = False) -> tuple[str, dict[str, str]]:
         env = dict(env)
@@ -56,9 +62,30 @@ class VllmAdapter(EngineAdapter):
             env["VLLM_SERVER_DEV_MODE"] = "1"
         # A recipe with its own worker extension keeps it; native export then fails and auto falls back.
         if native_weights and not has_flag(command, "--worker-extension-cls"):
-            command = command + " --worker-extension-cls " + NATIVE_EXTENSION
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ENGINE_SIDE_DIR), env.get("PYTHONPATH", "")) if p)
+            command, env = _with_extension(command, env)
         return command, env
+
+    def communicator_launch(self, command: str, env: Mapping[str, str]) -> tuple[str, dict[str, str]]:
+        given = flag_value(command, "--worker-extension-cls")
+        if given is not None and given != WORKER_EXTENSION:
+            raise RequestError(
+                "--worker-extension-cls %s in the serve command: a unit of several GPU ranks is captured with the plugin's worker extension, "
+                "which rebuilds the ranks' NCCL communicators around the CUDA checkpoint (vLLM takes one); remove it" % given
+            )
+        env = dict(env, VLLM_SERVER_DEV_MODE="1")
+        if given is None:
+            command, env = _with_extension(command, env)
+        # CUDA graphs that captured NCCL kernels keep the communicator alive: NCCL's destroy
+        # waits for them, so the workers run eagerly.
+        if not has_flag(command, "--enforce-eager"):
+            command = command + " --enforce-eager"
+        return command, env
+
+    def detach_communicators(self, endpoint: Endpoint) -> tuple[dict[str, Any], ...]:
+        return self._rpc(endpoint, "coldsnap_detach_communicators")
+
+    def attach_communicators(self, endpoint: Endpoint) -> tuple[dict[str, Any], ...]:
+        return self._rpc(endpoint, "coldsnap_attach_communicators")
 
     sleep_levels = (1, 2)
 
@@ -156,6 +183,12 @@ class VllmAdapter(EngineAdapter):
             details = ()
         post(endpoint.base_url + "/wake_up?tags=kv_cache", what="vLLM wake_up(kv_cache)")
         return HydrationResult(path, time.monotonic() - t, details)
+
+
+def _with_extension(command: str, env: Mapping[str, str]) -> tuple[str, dict[str, str]]:
+    env = dict(env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ENGINE_SIDE_DIR), env.get("PYTHONPATH", "")) if p)
+    return command + " --worker-extension-cls " + WORKER_EXTENSION, env
 
 
 @hookimpl
