@@ -1,6 +1,9 @@
 """The FAKE tensor-parallel vLLM's communicator (tests/fakes/fake_vllm_ranks.py) against the FAKE
 CUDA driver (tests/fakes/fake_cuda), without the plugin's controller: the fakes are as strict
-as the GPU machine was about a communicator kept across a CUDA checkpoint.
+as the GPU machine was about a communicator kept across a CUDA checkpoint (docs/gpu-ranks.md,
+"Two hosts through sparkrun on one GPU"). The last tests do the same for several ranks in one
+unit (tests/workloads/ranks.py ``--nccl``), captured and restored by the n610 driver with real
+CRIU.
 
 Two ranks of the fake engine run here as two "hosts" on 127.0.0.1 (the head serving the API,
 rank 1 ``--headless``), each on its own fake GPU, joined by their ring of TCP connections, the
@@ -23,11 +26,13 @@ from pathlib import Path
 
 import pytest
 import requests
-from gpu_fixtures import fake_gpu_host, fake_gpu_state
+from gpu_fixtures import fake_gpu_host, fake_gpu_state, n610_checkpoint
 from registry_fixtures import free_port
+from test_gpu_ranks import allreduce, start_ranks
 
 from sparkrun_coldsnap.cuda import checkpoint as cuda_checkpoint
-from sparkrun_coldsnap.host.process_tree import tree_pids
+from sparkrun_coldsnap.drivers.n610 import N610Driver
+from sparkrun_coldsnap.host.process_tree import kill_tree, tree_pids
 
 FAKE = Path(__file__).parent / "fakes" / "fake_vllm_ranks.py"
 WORKER = "coldsnap_worker.ColdsnapWorker"
@@ -241,3 +246,44 @@ def test_the_communicator_methods_are_unknown_without_coldsnaps_worker_class(tmp
         assert engine.chat() == before
     finally:
         engine.stop()
+
+
+# -- several ranks in one unit (tests/workloads/ranks.py --nccl) through real CRIU --------
+
+
+def restore_unit(tmp_path: Path, image) -> int:
+    driver = N610Driver()
+    assert driver.admission(image) == []
+    return driver.restore(image, tmp_path / "images", log_path=tmp_path / "restore.log", progress=lambda m: None).root_pid
+
+
+def test_ranks_in_one_unit_captured_with_their_communicator_fail_at_their_first_kernel_after_the_restore(criu, tmp_path, gpus):
+    port = free_port()
+    image = n610_checkpoint(start_ranks(tmp_path, port, "--nccl"), tmp_path / "images")
+    broken = {p for p in image.driver_data.cuda_pids if record(p)["broken"]}
+    assert len(broken) == 2 and image.root_pid not in broken  # the two ranks; the root held no communicator
+    pid = restore_unit(tmp_path, image)
+    try:
+        assert [record(p)["state"] for p in image.driver_data.cuda_pids] == ["running"] * 3
+        with pytest.raises(requests.ConnectionError):
+            allreduce(port)
+        logs = (tmp_path / "ranks.log").read_text() + (tmp_path / "restore.log").read_text()
+        assert logs.count("CudaError: %s" % "CUDA error: unspecified launch failure") == 2, logs[-3000:]
+    finally:
+        kill_tree(pid)
+
+
+def test_ranks_in_one_unit_detached_before_the_capture_and_attached_after_the_restore_all_reduce_again(criu, tmp_path, gpus):
+    port = free_port()
+    unit = start_ranks(tmp_path, port, "--nccl")
+    assert requests.get("http://127.0.0.1:%d/detach" % port, timeout=30).text.strip() == "ok"
+    image = n610_checkpoint(unit, tmp_path / "images")
+    assert not any(record(p)["communicator"] or record(p)["broken"] for p in image.driver_data.cuda_pids)
+    pid = restore_unit(tmp_path, image)
+    try:
+        assert requests.get("http://127.0.0.1:%d/attach" % port, timeout=30).text.strip() == "ok"
+        assert allreduce(port) == "3"  # 1+0 + 1+1: every rank's kernel ran and the new ring carried the sums
+        assert requests.get("http://127.0.0.1:%d/attach" % port, timeout=30).status_code == 500  # attached already
+        assert allreduce(port) == "5"
+    finally:
+        kill_tree(pid)
