@@ -13,6 +13,10 @@ and ``--headless`` on every host but the head. What it does is vLLM's multi-node
   collective socket listens; once all N are in, each rank connects to its successor: a ring of
   TCP connections between the hosts, as NCCL's socket transport makes (the ring's interface
   is the one the rank advertises, ``NODE_IP``, as ``NCCL_SOCKET_IFNAME`` picks one);
+* the ring is the tensor-parallel group's NCCL communicator (``tp:0``): each rank's context
+  holds it from the start (``hold_communicator``), so a CUDA checkpoint of a rank that still
+  holds it breaks the rank's context, and its next kernel after the restore fails with
+  "unspecified launch failure" (tests/fakes/fake_cuda, as on the GPU machine);
 * a generation is a ring all-reduce: each rank computes its share inside a kernel of its
   context (a kernel waits while the process is CUDA-locked, and fails without a device), the
   partial sums go once around the ring, every rank must reach the same sum, and the reply is a
@@ -24,8 +28,18 @@ and ``--headless`` on every host but the head. What it does is vLLM's multi-node
 * ``POST /collective_rpc`` reaches every rank: ``reload_weights`` (each re-reads the model
   files), ``coldsnap_export_native`` (each writes ``DIR/rank-N.bin`` and ``rank-N.json`` on its
   own host), ``coldsnap_load_native`` (each reads its own back, and refuses a file it did not
-  write); ``{"results": [one per rank]}``; another method answers 400, as vLLM does for a
-  method its workers lack;
+  write), ``coldsnap_detach_communicators`` (each closes its ring and holds no communicator:
+  ``{"rank", "detached": ["tp:0"], "torch_nccl_initialized": []}``, ``detached`` empty where
+  it held none; a generation on a detached rank ends it, as the destroyed communicator's
+  stand-in refuses), ``coldsnap_attach_communicators`` (collective: each rank listens on a new
+  ring port, the head gathers the addresses over the engine core's channel, which stands for
+  vLLM's gloo CPU group, and hands out the table, each rank connects to its successor and
+  accepts its predecessor and holds the communicator again: ``{"rank", "attached": ["tp:0"],
+  "seconds"}``; on a rank attached already it is an error, 500); ``{"results": [one per
+  rank]}``; a method the workers lack answers 400, as vLLM does: the workers have
+  ``reload_weights``, the native payload's methods with ``--worker-extension-cls
+  coldsnap_native_weights.NativeWeights`` or ``coldsnap_worker.ColdsnapWorker``, and the
+  communicators' with the latter only;
 * arguments parsed strictly: a flag vLLM does not have stops it at start.
 
 Every call the head serves is logged on stdout as ``fake-vllm call: {"method", "path"}`` (and
@@ -50,11 +64,22 @@ from urllib.parse import parse_qs, urlsplit
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE / "fake_cuda")]  # the engine's own PYTHONPATH is the recipe's
+import fake_cuda_process  # noqa: E402
 from fake_sglang import WORDS, weights_digest  # noqa: E402
 from openai_http import JsonHandler  # noqa: E402
 
 TAGS = ("weights", "kv_cache")
 MASK = (1 << 62) - 1
+#: the one NCCL communicator of a dense tensor-parallel vLLM worker: its TP group's
+GROUP = "tp:0"
+NATIVE = ("coldsnap_export_native", "coldsnap_load_native")
+COMMUNICATORS = ("coldsnap_detach_communicators", "coldsnap_attach_communicators")
+#: what each worker extension class adds to the workers' methods (a class of the recipe's own
+#: adds none of coldsnap's)
+EXTENSIONS = {"coldsnap_native_weights.NativeWeights": NATIVE, "coldsnap_worker.ColdsnapWorker": NATIVE + COMMUNICATORS}
+#: what each worker call is on the GPU: kernels, or memory mapped and copied (no kernel), which
+#: a context broken by a kept communicator still carries out
+KERNELS = ("generate", "coldsnap_attach_communicators")  # NCCL's init ends with a warm-up all-reduce
 
 
 def die(who: str, why: str) -> None:
@@ -110,25 +135,29 @@ def recv_int(conn: socket.socket) -> int:
 
 class Rank:
     def __init__(self, args) -> None:
-        import fake_cuda_process
-
         self.rank, self.world = args.node_rank, args.nnodes
         self.model = model_dir(args.model, args.revision)
         self.ctx = fake_cuda_process.attach(0)
         self.asleep: set[str] = set()
         self.loaded = True  # False: the weights' memory was woken empty after a level-2 sleep
         self.digest = self._digest()
-        address = os.environ.get("NODE_IP") or "127.0.0.1"
-        ring = socket.create_server((address, 0))
+        self.address = os.environ.get("NODE_IP") or "127.0.0.1"
+        ring = socket.create_server((self.address, 0))
         control = _connect(args.master_addr, args.master_port)
-        send_line(control, {"rank": self.rank, "ring": [address, ring.getsockname()[1]], "pid": os.getpid()})
+        send_line(control, {"rank": self.rank, "ring": [self.address, ring.getsockname()[1]], "pid": os.getpid()})
         self.control, self.lines = control, Lines(control)
-        table = self.lines.read()["table"]
+        self.succ: socket.socket | None = None
+        self.pred: socket.socket | None = None
+        self._join_ring(ring, self.lines.read()["table"])
+        send_line(control, {"ready": self.rank})
+
+    def _join_ring(self, listener: socket.socket, table: list) -> None:
+        """Connect to the successor, accept the predecessor: the communicator, held from here on."""
         succ_host, succ_port = table[(self.rank + 1) % self.world]
         self.succ = _connect(succ_host, succ_port)
-        self.pred, _ = ring.accept()
-        ring.close()
-        send_line(control, {"ready": self.rank})
+        self.pred, _ = listener.accept()
+        listener.close()
+        self.ctx.hold_communicator(True)
 
     def _digest(self) -> str:
         whole = weights_digest(self.model)
@@ -143,8 +172,12 @@ class Rank:
             except (ConnectionError, OSError) as err:
                 print("Worker rank %d: the engine core's channel ended (%r): exiting" % (self.rank, err), flush=True)
                 return
-            with self.ctx.kernel():  # every step of a worker is GPU work
-                answer = getattr(self, "op_" + req["op"])(req)
+            work = self.ctx.kernel if req["op"] in KERNELS else self.ctx.transfer
+            try:
+                with work():  # every step of a worker is GPU work
+                    answer = getattr(self, "op_" + req["op"])(req)
+            except fake_cuda_process.CudaError as err:
+                die("Worker rank %d" % self.rank, str(err))
             send_line(self.control, {"ok": True, "result": answer})
 
     def _touch(self, what: str) -> None:
@@ -154,6 +187,8 @@ class Rank:
     def op_generate(self, req: dict) -> int:
         self._touch("weights")
         self._touch("kv_cache")
+        if self.succ is None or self.pred is None:
+            die("Worker rank %d" % self.rank, "RuntimeError: the NCCL communicator of group %s was destroyed (coldsnap_detach_communicators): no collective until coldsnap_attach_communicators" % GROUP)
         seed = self.digest if self.loaded else "garbage"
         mine = int.from_bytes(hashlib.sha256((seed + req["prompt"]).encode()).digest()[:8], "little") & MASK
         total, passing = mine, mine
@@ -162,6 +197,32 @@ class Rank:
             passing = recv_int(self.pred)
             total = (total + passing) & MASK
         return total
+
+    def op_coldsnap_detach_communicators(self, req: dict) -> dict:
+        detached = []
+        if self.succ is not None and self.pred is not None:
+            self.succ.close()
+            self.pred.close()
+            detached = [GROUP]
+        self.succ = self.pred = None
+        self.ctx.hold_communicator(False)
+        return {"rank": self.rank, "detached": detached, "torch_nccl_initialized": []}
+
+    def op_coldsnap_attach_communicators(self, req: dict) -> dict:
+        """The collective half over the engine core's channel: offer a ring address, take the table."""
+        started = time.monotonic()
+        if self.succ is not None:
+            send_line(self.control, {"ring": None})
+            self.lines.read()  # the head's answer, which is no table
+            return {"error": "rank %d: the communicator of group %s is attached already: coldsnap_attach_communicators without coldsnap_detach_communicators before it" % (self.rank, GROUP)}
+        listener = socket.create_server((self.address, 0))
+        send_line(self.control, {"ring": [self.address, listener.getsockname()[1]]})
+        table = self.lines.read()["table"]
+        if table is None:
+            listener.close()
+            return {"error": "rank %d: another rank refused to attach; this one stays detached" % self.rank}
+        self._join_ring(listener, table)
+        return {"rank": self.rank, "attached": [GROUP], "seconds": time.monotonic() - started}
 
     def op_sleep(self, req: dict) -> None:
         self.asleep = set(TAGS)
@@ -237,13 +298,29 @@ class Engine:
         """*req* on every rank at once; their answers, in rank order."""
         for conn, _ in self.ranks:
             send_line(conn, req)
+        return [doc["result"] for doc in self._gather()]
+
+    def _gather(self) -> list[dict]:
+        """One line from every rank, in rank order; a rank gone ends the engine."""
         out = []
         for r, (_, lines) in enumerate(self.ranks):
             try:
-                out.append(lines.read()["result"])
+                out.append(lines.read())
             except (ConnectionError, OSError):
                 die("EngineCore", "worker rank %d died" % r)
         return out
+
+    def attach(self, req: dict) -> list:
+        """``coldsnap_attach_communicators``: every rank's ring address gathered over the CPU
+        channel and the table handed back (vLLM's unique id broadcast over gloo), then the answers;
+        the table is withheld from all when one rank refuses."""
+        for conn, _ in self.ranks:
+            send_line(conn, req)
+        offers = [doc["ring"] for doc in self._gather()]
+        table = offers if all(offers) else None
+        for conn, _ in self.ranks:
+            send_line(conn, {"table": table})
+        return [doc["result"] for doc in self._gather()]
 
 
 def make_handler(engine: Engine, api_ctx, served: str):
@@ -280,11 +357,12 @@ def make_handler(engine: Engine, api_ctx, served: str):
                     engine.every({"op": "wake", "tags": query.get("tags") or []})
                     return self._send(200)
                 method = body.get("method")
-                if method not in ("reload_weights", "coldsnap_export_native", "coldsnap_load_native"):
-                    return self._send(400, {"error": {"message": "Method %r not found in the workers" % method, "code": 400}})
-                if method != "reload_weights" and engine.args.worker_extension_cls is None:
-                    return self._send(400, {"error": {"message": "Method %r not found in the workers (no --worker-extension-cls)" % method, "code": 400}})
-                results = engine.every({"op": method, "args": body.get("args") or []})
+                extension = engine.args.worker_extension_cls
+                if method not in ("reload_weights", *EXTENSIONS.get(extension or "", ())):
+                    lacking = "--worker-extension-cls %s" % extension if extension else "no --worker-extension-cls"
+                    return self._send(400, {"error": {"message": "Method %r not found in the workers (%s)" % (method, lacking), "code": 400}})
+                call = {"op": method, "args": body.get("args") or []}
+                results = engine.attach(call) if method == "coldsnap_attach_communicators" else engine.every(call)
                 failed = [r["error"] for r in results if isinstance(r, dict) and "error" in r]
                 if failed:
                     return self._send(500, {"error": {"message": failed[0], "code": 500}})
@@ -336,8 +414,6 @@ def main() -> None:
     args = parse_args()
     if args.fake_worker:
         return worker_main(args)
-    import fake_cuda_process
-
     listener = None
     if not args.headless:
         # The engine core's rendezvous, bound before anything else (sparkrun waits for it).

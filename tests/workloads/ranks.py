@@ -8,6 +8,15 @@ ring all-reduce: every rank adds its rank number to the request's value inside a
 then the partial sums travel once around the ring; the root answers with the sum every
 rank reached (they must agree). ``GET /state`` counts the all-reduces done. With ``--ipc``
 neighbouring ranks also share device memory (CUDA IPC, as NCCL's P2P transport does).
+
+With ``--nccl`` the ring is each rank's NCCL communicator, held in its FAKE context
+(``hold_communicator``): kept across a CUDA checkpoint it breaks the rank's context, whose next
+kernel fails with "unspecified launch failure" and ends the rank, as on the GPU machine
+(tests/fakes/fake_cuda). ``GET /detach`` then destroys it on every rank (each closes its ring;
+an all-reduce on a detached rank ends that rank), ``GET /attach`` creates it again (each
+rank listens on a new port, the root hands every rank its successor's over its pipe, the
+CPU channel that outlives the cut); each answers ``ok``, and ``/attach`` on ranks attached
+already answers 500. Without ``--nccl`` the ring is plain sockets that no checkpoint breaks.
 """
 
 import argparse
@@ -37,16 +46,23 @@ def recv_int(conn):
     return struct.unpack("<q", data)[0]
 
 
-def rank_main(rank, world, pipe, ipc):
-    import os
-
-    ctx = attach(rank)
+def join_ring(pipe):
+    """Listen, tell the root where, connect to the successor it names, accept the predecessor."""
     listener = socket.create_server(("127.0.0.1", 0))
     pipe.send(listener.getsockname()[1])
     successor_port = pipe.recv()
     succ = socket.create_connection(("127.0.0.1", successor_port))
     pred, _ = listener.accept()
     listener.close()
+    return succ, pred
+
+
+def rank_main(rank, world, pipe, ipc, nccl):
+    import os
+
+    ctx = attach(rank)
+    succ, pred = join_ring(pipe)
+    ctx.hold_communicator(nccl)
     send_int(succ, os.getpid())
     pred_pid = recv_int(pred)
     if ipc:
@@ -56,6 +72,25 @@ def rank_main(rank, world, pipe, ipc):
     pipe.send("ready")
     while True:
         value = pipe.recv()
+        if value == "detach":
+            if succ is not None:
+                succ.close()
+                pred.close()
+            succ = pred = None
+            ctx.hold_communicator(False)
+            pipe.send("detached")
+            continue
+        if value == "attach":
+            if succ is not None:
+                pipe.send("attached already")
+                continue
+            with ctx.kernel():  # NCCL's init ends with a warm-up all-reduce
+                succ, pred = join_ring(pipe)
+                ctx.hold_communicator(True)
+            pipe.send("attached")
+            continue
+        if succ is None:
+            raise RuntimeError("rank %d: the NCCL communicator was destroyed (/detach): no all-reduce until /attach" % rank)
         with ctx.kernel():
             mine = value + rank
         # Ring all-reduce: pass on what came in; after world - 1 steps every rank has every part.
@@ -72,13 +107,14 @@ def main():
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--ipc", action="store_true")
+    ap.add_argument("--nccl", action="store_true")
     args = ap.parse_args()
     attach(0)
     ctx = mp.get_context("spawn")
     pipes = []
     for r in range(args.ranks):
         parent, child = ctx.Pipe()
-        ctx.Process(target=rank_main, args=(r, args.ranks, child, args.ipc), daemon=True).start()
+        ctx.Process(target=rank_main, args=(r, args.ranks, child, args.ipc, args.nccl), daemon=True).start()
         pipes.append(parent)
     ports = [p.recv() for p in pipes]
     for r, p in enumerate(pipes):
@@ -99,6 +135,21 @@ def main():
                 body = str(sums.pop())
             elif self.path == "/state":
                 body = str(done[0])
+            elif self.path in ("/detach", "/attach") and args.nccl:
+                for p in pipes:
+                    p.send(self.path[1:])
+                if self.path == "/attach":
+                    ports = [p.recv() for p in pipes]  # each rank listens, or is attached already
+                    if "attached already" in ports:  # every rank is: both calls reach every rank
+                        self.send_error(500, "ranks answered %s" % ports)
+                        return
+                    for r, p in enumerate(pipes):
+                        p.send(ports[(r + 1) % args.ranks])
+                answers = [p.recv() for p in pipes]
+                if answers != [self.path[1:] + "ed"] * args.ranks:
+                    self.send_error(500, "ranks answered %s" % answers)
+                    return
+                body = "ok"
             else:
                 self.send_error(404)
                 return

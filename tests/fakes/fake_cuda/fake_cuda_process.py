@@ -19,6 +19,18 @@ engines' custom all-reduce kernels set up, :meth:`FakeCudaContext.share_with`) i
 the driver's checkpoint cannot carry before driver 610: a call on such a process does not
 fail, it waits while a peer is locked or checkpointed (NVIDIA/cuda-checkpoint#30), and
 its checkpoint waits while a peer runs (#45). Here too.
+
+A context that holds a collective communicator (:meth:`FakeCudaContext.hold_communicator`:
+NCCL's, or the ring of TCP connections that stands for it in the fake engines) when it is
+checkpointed comes back broken: the restore and the unlock succeed, the driver reports it
+running, and every kernel it launches afterwards fails with "CUDA error: unspecified launch
+failure". That is what the GPU machine did (H100, driver 580.159.04, NCCL 2.28.9;
+docs/gpu-ranks.md, "Two hosts through sparkrun on one GPU"): two NCCL ranks that kept their
+communicator across lock, checkpoint, restore and unlock failed at the first kernel of either
+rank, while two processes without NCCL computed on after the same cut. A context that held no
+communicator at its checkpoint is unaffected, and so is work that launches no kernel (mapping
+memory, copies to and from the host: :meth:`FakeCudaContext.transfer`), as the restored ranks
+there took their weights back and died at their first kernel.
 """
 
 from __future__ import annotations
@@ -30,6 +42,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import fake_gpu_state as gpu
+
+#: what a kernel of a context broken by a kept communicator fails with (the GPU machine's words)
+LAUNCH_FAILURE = "CUDA error: unspecified launch failure"
+
+
+class CudaError(RuntimeError):
+    """A CUDA call that failed (torch raises RuntimeError with the CUDA error's text)."""
 
 
 class FakeCudaContext:
@@ -44,6 +63,8 @@ class FakeCudaContext:
         self.state = "running"
         self.gpus = [mine]
         self.ipc_peers: list[int] = []
+        self.communicator = False  # a collective communicator lives in this context now
+        self.broken = False  # checkpointed while it held one: no kernel runs again
         self.host_gpus = [{"uuid": g["uuid"], "chip": g["chip"]} for g in every]
         self.busy = 0
         self.cond = threading.Condition()
@@ -52,7 +73,17 @@ class FakeCudaContext:
         threading.Thread(target=self._answer_driver, daemon=True).start()
 
     def _report(self) -> None:
-        gpu.write_proc(self.pid, {"state": self.state, "gpus": self.gpus, "host_gpus": self.host_gpus, "ipc_peers": self.ipc_peers})
+        gpu.write_proc(
+            self.pid,
+            {"state": self.state, "gpus": self.gpus, "host_gpus": self.host_gpus, "ipc_peers": self.ipc_peers, "communicator": self.communicator, "broken": self.broken},
+        )
+
+    def hold_communicator(self, held: bool) -> None:
+        """The process created (True) or destroyed (False) its collective communicator in this
+        context; where it holds one at a checkpoint, the context comes back broken."""
+        with self.cond:
+            self.communicator = held
+            self._report()
 
     def share_with(self, peer: int) -> None:
         """Map device memory of *peer* (and let it map this process's): CUDA IPC."""
@@ -129,6 +160,8 @@ class FakeCudaContext:
             os.close(self.fd)  # device memory now lives in host memory; the handles go
             self.fd = None
             self.state = "checkpointed"
+            if self.communicator:
+                self.broken = True  # the driver answers success; the kernels after the restore fail
             return "CUDA_SUCCESS"
         if op == "restore" and self.state == "checkpointed":
             told = gpu.told_to_fail("restore")
@@ -169,7 +202,20 @@ class FakeCudaContext:
 
     @contextmanager
     def kernel(self, seconds: float = 0.0) -> Iterator[None]:
-        """Work on the GPU: waits while the process is locked or checkpointed, as CUDA calls do."""
+        """Work on the GPU: waits while the process is locked or checkpointed, as CUDA calls do;
+        fails (:data:`LAUNCH_FAILURE`) once a checkpoint broke the context."""
+        with self._work(seconds, launches=True):
+            yield
+
+    @contextmanager
+    def transfer(self, seconds: float = 0.0) -> Iterator[None]:
+        """GPU work that launches no kernel (memory mapped or unmapped, copies to or from the
+        host): waits as a kernel does, and goes through on a broken context."""
+        with self._work(seconds, launches=False):
+            yield
+
+    @contextmanager
+    def _work(self, seconds: float, *, launches: bool) -> Iterator[None]:
         with self.cond:
             while self.state != "running":
                 self.cond.wait(0.05)
@@ -177,6 +223,8 @@ class FakeCudaContext:
         try:
             if self.fd is None:
                 raise RuntimeError("CUDA call without a device: the context was not restored")
+            if launches and self.broken:
+                raise CudaError(LAUNCH_FAILURE)
             time.sleep(seconds)
             yield
         finally:

@@ -15,7 +15,8 @@ talks to it through the kernel module; here both sides meet in files under
   ``restore``)
   with the CUDA error it names (a test's fault, on one host only);
 * ``proc-<pid>.json``: what the process last reported (state, GPUs, every GPU of the host
-  it started on), for ``nvidia-smi`` and for tests to read.
+  it started on, whether it holds a collective communicator now and whether a checkpoint
+  while it held one broke its context), for ``nvidia-smi`` and for tests to read.
 """
 
 from __future__ import annotations

@@ -22,7 +22,12 @@ documents and what was measured on the GPU machine:
 * a process sharing device memory with another (CUDA IPC) does not answer a call while
   that peer is locked or checkpointed (NVIDIA/cuda-checkpoint#30: it waits until the peer
   is unlocked, with no error and no timeout), and its checkpoint does not complete while
-  that peer runs (#45): such a tree cannot be checkpointed before driver 610.
+  that peer runs (#45): such a tree cannot be checkpointed before driver 610;
+* a process checkpointed while it holds a collective communicator (NCCL's; in the fakes, the
+  ring that stands for it) is restored and unlocked with success, and every kernel it runs
+  afterwards fails with "CUDA error: unspecified launch failure" (measured on driver
+  580.159.04 with NCCL 2.28.9: docs/gpu-ranks.md, "Two hosts through sparkrun on one GPU"); a
+  process holds one between ``FakeCudaContext.hold_communicator(True)`` and ``(False)``.
 
 The rules are carried out by the process side, ``fake_cuda_process.py``, where the state
 lives; the calls reach it through ``fake_gpu_state.py``.
