@@ -105,11 +105,14 @@ def test_n610_captures_two_hosts_at_one_cut_and_sparkrun_run_restores_both_units
         assert no_process_left(two_node) == {head.address: set(), worker.address: set()}  # a capture stops what it started
         receipt = json.loads((tmp_path / "capture.json").read_text())
         names = [p["name"] for p in receipt["phases"]]
-        assert names.index("validate") < names.index("native_export") < names.index("release_memory") < names.index("checkpoint") < names.index("publish"), names
+        assert names.index("validate") < names.index("native_export") < names.index("release_memory") < names.index("detach_communicators") < names.index("checkpoint") < names.index("publish"), names
+        # The ring (the fake's NCCL communicator) is let go of before the cut: kept, it would break
+        # the ranks' contexts as the real driver does.
+        assert [(d["rank"], d["detached"]) for d in receipt["details"]["communicators_detached"]] == [(0, ["tp:0"]), (1, ["tp:0"])]
         barriers = receipt["details"]["barriers"]
         assert list(barriers)[:4] == ["locked", "checkpointed", "quiesced", "dumped"], barriers
         launched = receipt["details"]["driver_launch"]
-        assert launched["flags"] == ["--disable-custom-all-reduce"] and launched["env"]["NCCL_P2P_DISABLE"] == "1" and launched["env"]["NCCL_NET"] == "Socket"
+        assert launched["flags"] == ["--disable-custom-all-reduce", "--enforce-eager"] and launched["env"]["NCCL_P2P_DISABLE"] == "1" and launched["env"]["NCCL_NET"] == "Socket"
         assert "NCCL_SOCKET_IFNAME" not in launched["env"]  # across hosts: not loopback, the placement's
 
         cfg = json.loads(sparkrun.coldsnap("inspect", "fake-vllm-two-node:latest", "--store", str(store), "--json").stdout)["config"]
@@ -129,11 +132,12 @@ def test_n610_captures_two_hosts_at_one_cut_and_sparkrun_run_restores_both_units
         out = run_logged(sparkrun, tmp_path / "run.log", "run", str(path), *CLUSTER, "--no-follow")
         assert "distributed state restored 2/2" in out and "reply matches capture" in out, out
         # What the restored head was asked (its log: the newest of rank 0's), in order: every
-        # rank's weights memory back, filled from its own native payload, KV cache back, validation.
+        # rank's communicator made again, its weights memory back, filled from its own native
+        # payload, KV cache back, validation.
         log = max(head.home.glob(".cache/sparkrun/**/*_node_0.log"), key=lambda p: p.stat().st_mtime).read_text()
         asked = [json.loads(line.split("fake-vllm call: ", 1)[1]) for line in log.splitlines() if "fake-vllm call: " in line]
         posts = [c["path"] + (" " + c["rpc"] if "rpc" in c else "") for c in asked if c["method"] == "POST"]
-        assert posts == ["/wake_up?tags=weights", "/collective_rpc coldsnap_load_native", "/wake_up?tags=kv_cache", "/v1/chat/completions"], posts
+        assert posts == ["/collective_rpc coldsnap_attach_communicators", "/wake_up?tags=weights", "/collective_rpc coldsnap_load_native", "/wake_up?tags=kv_cache", "/v1/chat/completions"], posts
         assert chat(head.address) == cfg["validation"]["reply"]
         for unit, host in (("rank-0", "a"), ("rank-1", "b")):
             data, records = units[unit]["driver_data"], proc_records(gpu_hosts, host)

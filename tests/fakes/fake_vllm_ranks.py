@@ -402,6 +402,7 @@ def parse_args(argv=None):
     ap.add_argument("--enable-sleep-mode", action="store_true")
     ap.add_argument("--worker-extension-cls", default=None)
     ap.add_argument("--disable-custom-all-reduce", action="store_true")
+    ap.add_argument("--enforce-eager", action="store_true")  # no CUDA graphs to hold the communicator
     ap.add_argument("--distributed-executor-backend", default="mp")
     ap.add_argument("--fake-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
