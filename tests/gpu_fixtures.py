@@ -51,7 +51,9 @@ def start_fake_cuda_workload(cmd: str, *, log_path: Path, visible: str, cuda_pro
     from sparkrun_coldsnap.host.process_tree import tree_pids
     from sparkrun_coldsnap.launch.local import start_unit
 
-    env = {"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": visible, **engine_env()}
+    # The fake driver's own settings (FAKE_CUDA_*) reach the workload as the test set them.
+    fake = {k: v for k, v in os.environ.items() if k.startswith("FAKE_CUDA_") and k != fake_gpu_state.ENV}
+    env = {"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": visible, **engine_env(), **fake}
     with io_uring_disabled():
         unit = start_unit(cmd, env=env, log_path=log_path)
     deadline = time.monotonic() + 30

@@ -1,7 +1,7 @@
 """The FAKE tensor-parallel vLLM's communicator (tests/fakes/fake_vllm_ranks.py) against the FAKE
-CUDA driver (tests/fakes/fake_cuda), without the plugin's controller: the fakes are as strict
-as the GPU machine was about a communicator kept across a CUDA checkpoint (docs/gpu-ranks.md,
-"Two hosts through sparkrun on one GPU"). The last tests do the same for several ranks in one
+CUDA driver (tests/fakes/fake_cuda), without the plugin's controller: with the fake driver
+told to lose a communicator kept across a CUDA checkpoint (``FAKE_CUDA_KEPT_COMMUNICATORS=break``,
+the driver ``COLDSNAP_COMMUNICATORS=rebuild`` is for), and by default carrying it. The last tests do the same for several ranks in one
 unit (tests/workloads/ranks.py ``--nccl``), captured and restored by the n610 driver with real
 CRIU.
 
@@ -41,7 +41,9 @@ LAUNCH_FAILURE = "hit an exception: CUDA error: unspecified launch failure"
 
 
 @pytest.fixture
-def gpus(tmp_path, use_settings):
+def gpus(tmp_path, use_settings, monkeypatch):
+    """Fake GPUs whose driver loses a communicator kept across the cut (its processes inherit the setting)."""
+    monkeypatch.setenv("FAKE_CUDA_KEPT_COMMUNICATORS", "break")
     with fake_gpu_host(tmp_path / "fake-cuda") as made:
         use_settings()
         yield made
@@ -167,6 +169,21 @@ def test_ranks_that_keep_their_communicator_across_the_cut_fail_at_their_first_k
         head, rank1 = engine.ended()
         assert "Worker rank 0 %s" % LAUNCH_FAILURE in head, head
         assert "Worker rank 1 %s" % LAUNCH_FAILURE in rank1, rank1
+    finally:
+        engine.stop()
+
+
+def test_a_driver_that_carries_kept_communicators_leaves_the_ranks_serving(tmp_path, gpus, monkeypatch):
+    monkeypatch.delenv("FAKE_CUDA_KEPT_COMMUNICATORS")
+    engine = start(tmp_path)
+    try:
+        before = engine.chat()
+        pids = engine.cuda_pids()
+        assert engine.post("/sleep?level=2").status_code == 200
+        cut(list(pids.values()))
+        assert [record(pids[r])["broken"] for r in ("api", "rank-0", "rank-1")] == [False, False, False]
+        wake_and_reload(engine)
+        assert engine.chat() == before
     finally:
         engine.stop()
 

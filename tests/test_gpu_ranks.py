@@ -25,6 +25,7 @@ from test_cuda_checkpoint import FakeCheckpointApi
 from sparkrun_coldsnap.cuda import checkpoint as cuda_checkpoint
 from sparkrun_coldsnap.cuda import ranks as gpu_ranks
 from sparkrun_coldsnap.documents.request import LaunchUnit, Topology
+from sparkrun_coldsnap.documents.settings import Settings
 from sparkrun_coldsnap.drivers.n610 import N610Driver
 from sparkrun_coldsnap.engines.sglang import SglangAdapter
 from sparkrun_coldsnap.engines.vllm import VllmAdapter
@@ -48,7 +49,7 @@ def test_one_rank_launches_as_the_recipe_says():
 
 def test_tensor_parallel_ranks_get_collectives_that_share_no_device_memory():
     command, env = gpu_ranks.launch_settings(VLLM, {"A": "1"}, adapter=VllmAdapter(), topology=topology(tp=2))
-    assert command == VLLM + " --disable-custom-all-reduce --worker-extension-cls coldsnap_worker.ColdsnapWorker --enforce-eager"
+    assert command == VLLM + " --disable-custom-all-reduce"  # communicators kept: graphs allowed, no extension
     assert env["NCCL_P2P_DISABLE"] == "1" and env["NCCL_SHM_DISABLE"] == "1" and env["NCCL_NVLS_ENABLE"] == "0" and env["NCCL_CUMEM_ENABLE"] == "0"
     assert env["NCCL_NET"] == "Socket" and env["NCCL_IB_DISABLE"] == "1"
     assert env["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "0" and env["VLLM_ALLREDUCE_USE_FLASHINFER"] == "0"
@@ -56,7 +57,8 @@ def test_tensor_parallel_ranks_get_collectives_that_share_no_device_memory():
     assert env["A"] == "1"
 
 
-def test_vllm_ranks_get_the_worker_extension_that_rebuilds_their_communicators_and_run_eagerly():
+def test_vllm_ranks_get_the_worker_extension_that_rebuilds_their_communicators_and_run_eagerly(use_settings):
+    use_settings(rebuild_communicators=True)
     command, env = gpu_ranks.launch_settings(VLLM, {"PYTHONPATH": "/site"}, adapter=VllmAdapter(), topology=topology(tp=2))
     assert "--worker-extension-cls coldsnap_worker.ColdsnapWorker" in command and command.endswith(" --enforce-eager")
     assert env["VLLM_SERVER_DEV_MODE"] == "1"  # /collective_rpc reaches every worker
@@ -68,10 +70,22 @@ def test_vllm_ranks_get_the_worker_extension_that_rebuilds_their_communicators_a
     assert again.count("--worker-extension-cls") == 1 and again.count("--enforce-eager") == 1
 
 
-def test_a_recipe_with_its_own_worker_extension_is_refused_for_several_ranks():
+def test_a_recipe_with_its_own_worker_extension_is_refused_for_several_ranks_whose_communicators_are_rebuilt(use_settings):
+    assert gpu_ranks.launch_settings(VLLM + " --worker-extension-cls my.Ext", {}, adapter=VllmAdapter(), topology=topology(tp=2))[0].count("--worker-extension-cls") == 1
+    use_settings(rebuild_communicators=True)
     with pytest.raises(RequestError, match=r"--worker-extension-cls my\.Ext .*remove it"):
         gpu_ranks.launch_settings(VLLM + " --worker-extension-cls my.Ext", {}, adapter=VllmAdapter(), topology=topology(tp=2))
     assert gpu_ranks.launch_settings(VLLM + " --worker-extension-cls my.Ext", {}, adapter=VllmAdapter(), topology=topology())[0].endswith("my.Ext")
+
+
+def test_rebuilding_communicators_is_refused_for_an_engine_that_cannot_and_the_setting_is_checked(use_settings, monkeypatch):
+    use_settings(rebuild_communicators=True)
+    with pytest.raises(RequestError, match="COLDSNAP_COMMUNICATORS=rebuild: sglang's workers cannot"):
+        gpu_ranks.launch_settings("sglang serve --model-path /m", {}, adapter=SglangAdapter(), topology=topology(tp=2))
+    assert not gpu_ranks.rebuilds_communicators(SglangAdapter(), topology())  # one rank: nothing to rebuild
+    monkeypatch.setenv("COLDSNAP_COMMUNICATORS", "sometimes")
+    with pytest.raises(RequestError, match="COLDSNAP_COMMUNICATORS='sometimes' is not one of rebuild, keep"):
+        Settings.from_environ()
 
 
 def test_pipeline_parallel_counts_as_several_ranks_and_a_flag_already_there_is_kept():

@@ -54,7 +54,7 @@ def gpu_hosts(two_hosts, tmp_path_factory):
             fake_gpu_state.remove_host(directory)
 
 
-def recipe(directory: Path, store: Path) -> Path:
+def recipe(directory: Path, store: Path, env: str = 'HF_HUB_OFFLINE: "1"') -> Path:
     path = directory / "fake-vllm-two-node.yaml"
     path.write_text(
         "\n".join([
@@ -65,7 +65,7 @@ def recipe(directory: Path, store: Path) -> Path:
             "runtime: vllm-distributed",
             "executor: local",
             "defaults: {port: 8000, tensor_parallel: 2}",
-            "env: {HF_HUB_OFFLINE: \"1\"}",
+            "env: {%s}" % env,
             "command: %s %s --model {model} --revision {model_revision} --host 0.0.0.0 --port {port} --tensor-parallel-size {tensor_parallel}" % (sys.executable, FAKE),
             "coldsnap:",
             "  driver: n610",
@@ -95,24 +95,35 @@ def environ(pid: int) -> dict[str, str]:
     return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
 
 
-def test_n610_captures_two_hosts_at_one_cut_and_sparkrun_run_restores_both_units_validated_through_rank_0(gpu_hosts, two_node, sparkrun, tmp_path):
+@pytest.mark.parametrize("communicators", ["keep", "rebuild"])
+def test_n610_captures_two_hosts_at_one_cut_and_sparkrun_run_restores_both_units_validated_through_rank_0(gpu_hosts, two_node, sparkrun, tmp_path, communicators):
+    """keep: the fake driver carries the ranks' ring (their communicator) across the cut;
+    rebuild: it would lose it, and the workers detach it after the sleep and attach it again
+    after the unlock."""
     head, worker = two_node.hosts
+    rebuild = communicators == "rebuild"
+    sparkrun.env["COLDSNAP_COMMUNICATORS"] = communicators
     share_model_cache(sparkrun, "two-node")
-    path, store = recipe(tmp_path, tmp_path / "store"), tmp_path / "store"
+    store = tmp_path / "store"
+    path = recipe(tmp_path, store, 'HF_HUB_OFFLINE: "1", FAKE_CUDA_KEPT_COMMUNICATORS: break') if rebuild else recipe(tmp_path, store)
     try:
         out = run_logged(sparkrun, tmp_path / "capture.log", "coldsnap", "capture", str(path), *CLUSTER, "--receipt", str(tmp_path / "capture.json"))
         assert "captured fake-vllm-two-node:latest" in out, out
         assert no_process_left(two_node) == {head.address: set(), worker.address: set()}  # a capture stops what it started
         receipt = json.loads((tmp_path / "capture.json").read_text())
         names = [p["name"] for p in receipt["phases"]]
-        assert names.index("validate") < names.index("native_export") < names.index("release_memory") < names.index("detach_communicators") < names.index("checkpoint") < names.index("publish"), names
-        # The ring (the fake's NCCL communicator) is let go of before the cut: kept, it would break
-        # the ranks' contexts as the real driver does.
-        assert [(d["rank"], d["detached"]) for d in receipt["details"]["communicators_detached"]] == [(0, ["tp:0"]), (1, ["tp:0"])]
+        assert names.index("validate") < names.index("native_export") < names.index("release_memory") < names.index("checkpoint") < names.index("publish"), names
+        if rebuild:
+            # The ring (the fake's NCCL communicator) is let go of before the cut: kept, this
+            # fake driver would break the ranks' contexts.
+            assert names.index("release_memory") < names.index("detach_communicators") < names.index("checkpoint"), names
+            assert [(d["rank"], d["detached"]) for d in receipt["details"]["communicators_detached"]] == [(0, ["tp:0"]), (1, ["tp:0"])]
+        else:
+            assert "detach_communicators" not in names and "communicators_detached" not in receipt["details"]
         barriers = receipt["details"]["barriers"]
         assert list(barriers)[:4] == ["locked", "checkpointed", "quiesced", "dumped"], barriers
         launched = receipt["details"]["driver_launch"]
-        assert launched["flags"] == ["--disable-custom-all-reduce", "--enforce-eager"] and launched["env"]["NCCL_P2P_DISABLE"] == "1" and launched["env"]["NCCL_NET"] == "Socket"
+        assert launched["flags"] == ["--disable-custom-all-reduce", *(["--enforce-eager"] if rebuild else [])] and launched["env"]["NCCL_P2P_DISABLE"] == "1" and launched["env"]["NCCL_NET"] == "Socket"
         assert "NCCL_SOCKET_IFNAME" not in launched["env"]  # across hosts: not loopback, the placement's
 
         cfg = json.loads(sparkrun.coldsnap("inspect", "fake-vllm-two-node:latest", "--store", str(store), "--json").stdout)["config"]
@@ -121,6 +132,7 @@ def test_n610_captures_two_hosts_at_one_cut_and_sparkrun_run_restores_both_units
         assert [(u["name"], u["host"]) for u in cfg["units"]] == [("rank-0", head.address), ("rank-1", worker.address)]
         for unit, host in (("rank-0", "a"), ("rank-1", "b")):
             data, gpus = units[unit]["driver_data"], gpu_hosts[host][1]
+            assert data.get("communicators_detached") is (True if rebuild else None), data  # the restore attaches from this record
             assert data["gpu_uuids"] == [gpus[0]["uuid"]] and data["host_gpu_uuids"] == [g["uuid"] for g in gpus], data
             assert data["driver_version"] == 13000 and data["peer_connections"] and units[unit]["tcp_established"]
             assert all(proc_records(gpu_hosts, host)[p]["state"] == "checkpointed" for p in data["cuda_pids"])  # dumped checkpointed
@@ -137,7 +149,8 @@ def test_n610_captures_two_hosts_at_one_cut_and_sparkrun_run_restores_both_units
         log = max(head.home.glob(".cache/sparkrun/**/*_node_0.log"), key=lambda p: p.stat().st_mtime).read_text()
         asked = [json.loads(line.split("fake-vllm call: ", 1)[1]) for line in log.splitlines() if "fake-vllm call: " in line]
         posts = [c["path"] + (" " + c["rpc"] if "rpc" in c else "") for c in asked if c["method"] == "POST"]
-        assert posts == ["/collective_rpc coldsnap_attach_communicators", "/wake_up?tags=weights", "/collective_rpc coldsnap_load_native", "/wake_up?tags=kv_cache", "/v1/chat/completions"], posts
+        attach = ["/collective_rpc coldsnap_attach_communicators"] if rebuild else []
+        assert posts == [*attach, "/wake_up?tags=weights", "/collective_rpc coldsnap_load_native", "/wake_up?tags=kv_cache", "/v1/chat/completions"], posts
         assert chat(head.address) == cfg["validation"]["reply"]
         for unit, host in (("rank-0", "a"), ("rank-1", "b")):
             data, records = units[unit]["driver_data"], proc_records(gpu_hosts, host)

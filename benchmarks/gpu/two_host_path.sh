@@ -24,7 +24,8 @@
 # Settings (environment): WORK (default /root/coldsnap-gpu), MODEL_JSON, SITE (the plugin's
 # target, default $WORK/user-site), PY (default python3), SAMPLES (default 3), KV_BYTES (each
 # rank's KV cache, default 2 GiB), EXTRA_FLAGS (more flags for `vllm serve`), RESULTS (default $OUT, else .), SKIP_SETUP=1 (plugin and
-# settings as an earlier run left them).
+# settings as an earlier run left them), COLDSNAP_COMMUNICATORS=rebuild (the plugin's own setting,
+# read by capture: the ranks' NCCL communicators destroyed before the cut and made again after it).
 set -uo pipefail
 MODE=${1:?usage: $0 setup|capture|run|bench|fault-checkpoint|wait MODE}
 WORK=${WORK:-/root/coldsnap-gpu}

@@ -32,6 +32,7 @@ from sparkrun_coldsnap.controller.admit import admit_snapshot
 from sparkrun_coldsnap.controller.common import Attempt, finish
 from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.capsule_config import CapsuleConfig, CapturedValidation, EngineRecord, ModelFile, NativePayload, WeightsRecord
+from sparkrun_coldsnap.documents.driver_data import DriverData
 from sparkrun_coldsnap.documents.fingerprint import Fingerprint
 from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder, Validation
 from sparkrun_coldsnap.documents.request import CaptureRequest
@@ -208,14 +209,17 @@ def _checkpoint_at_capture_point(c: Capturing, units: CaptureUnits, staging: Pat
             with rb.phase("release_memory"), c.progress.waiting("releasing the engine's device memory"):
                 r.adapter.release_memory(units.endpoint(c))
             if r.driver.rebuilds_communicators(r.adapter, c.req.workload.topology):
-                # A communicator kept across the CUDA checkpoint breaks its process's context
-                # (cuda/ranks.py): the workers destroy theirs now; the restore makes them again.
+                # COLDSNAP_COMMUNICATORS=rebuild (cuda/ranks.py): the workers destroy their
+                # communicators now; the restore makes them again.
                 with rb.phase("detach_communicators"), c.progress.waiting("destroying the workers' NCCL communicators"):
                     rb.details["communicators_detached"] = list(r.adapter.detach_communicators(units.endpoint(c)))
     else:
         with rb.phase("boundary"), c.progress.waiting("waiting for the engine to reach the %s driver's boundary" % r.driver.name):
             units.await_boundary(c)
     images = units.checkpoint(c, staging)
+    if "detach_communicators" in {p.name for p in rb.phases}:
+        # The restore makes them again, whatever its own settings say.
+        images = [i.model_copy(update={"driver_data": i.driver_data.merged(DriverData(communicators_detached=True))}) for i in images]
     t_resume = time.monotonic()
     units.after_checkpoint(c)
     if validation is None:

@@ -176,7 +176,7 @@ def activate(prepared: PreparedRestore, *, log_path: Path | None = None, progres
                 endpoint = units.endpoint(prepared)
                 if prepared.weights is None and not r.driver.engine_loads_weights:
                     rb.weights = Weights(path="in-image")
-                if r.driver.rebuilds_communicators(r.adapter, req.workload.topology):
+                if any(u.driver_data.communicators_detached for u in cap.config.units):
                     # The workers destroyed their NCCL communicators before the checkpoint: made
                     # again over the CPU groups that came back with them, before the weights wake.
                     with rb.phase("attach_communicators"), progress.waiting("making the workers' NCCL communicators again"):

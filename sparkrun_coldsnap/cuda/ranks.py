@@ -16,16 +16,20 @@ Why the ranks are launched the way they are
     of the same tree, which CRIU restores with both ends (``--tcp-established``), and they
     do not depend on the host's address.
 
-Why the communicators are rebuilt, not kept
-    On driver 580 an NCCL communicator kept across the checkpoint breaks its process's
-    context even over sockets, sharing nothing: two ranks on one H100 failed their first
-    kernel after the unlock ("unspecified launch failure") where two plain CUDA processes
-    came through the same cut (docs/gpu-ranks.md). So an engine whose workers can rebuild
-    them (``EngineAdapter.rebuilds_communicators``) is launched with what that takes
-    (vLLM: the plugin's worker extension, and eager execution, since CUDA graphs that
-    captured NCCL kernels keep the communicator alive); the controller has every worker
-    destroy its communicators while the engine sleeps, before the lock, and make them again
-    over the CPU group that came back with the process, after the unlock, before the wake.
+Kept or rebuilt communicators (``COLDSNAP_COMMUNICATORS``)
+    ``keep`` (the default) carries the NCCL communicators across the checkpoint with the rest
+    of the device memory, as tensor-parallel vLLM was restored on H100s (NVIDIA/nvcf#1183).
+    ``rebuild`` follows the order NCCL's own checkpoint support documents: an engine whose
+    workers can (``EngineAdapter.rebuilds_communicators``) is launched with what that takes
+    (vLLM: the plugin's worker extension, and eager execution, since CUDA graphs that captured
+    NCCL kernels keep the communicator alive); the controller has every worker destroy its
+    communicators while the engine sleeps, before the lock, and make them again over the CPU
+    group that came back with the process, after the unlock, before the wake; the capsule says
+    so (``DriverData.communicators_detached``). On one H100 shared by two ranks (two host ids,
+    sockets) neither came through on driver 580.159.04: the first kernel after the unlock
+    failed ("unspecified launch failure") with the communicator kept and with it destroyed
+    before the lock, where two plain CUDA processes, two gloo ranks and one NCCL rank came
+    through the same cut (docs/gpu-ranks.md). Which one two GPUs need is not measured.
 
 The order over every CUDA process of the tree
     Capture: lock every process (no rank may run a kernel once a peer is frozen), then
@@ -95,15 +99,19 @@ def launch_settings(command: str, env: Mapping[str, str], *, adapter: EngineAdap
     for flag in adapter.ipc_free_flags:
         if not has_flag(command, flag):
             command = command + " " + flag
-    if adapter.rebuilds_communicators:
+    if rebuilds_communicators(adapter, topology):
         command, out = adapter.communicator_launch(command, out)
     return command, out
 
 
 def rebuilds_communicators(adapter: EngineAdapter, topology: Topology) -> bool:
     """Whether the workers' NCCL communicators are destroyed before the CUDA checkpoint and made
-    again after it (several ranks, an engine that can)."""
-    return several_ranks(topology) and adapter.rebuilds_communicators
+    again after it (several ranks, ``COLDSNAP_COMMUNICATORS=rebuild``, an engine that can)."""
+    if not (several_ranks(topology) and settings.current().rebuild_communicators):
+        return False
+    if not adapter.rebuilds_communicators:
+        raise RequestError("COLDSNAP_COMMUNICATORS=rebuild: %s's workers cannot rebuild their NCCL communicators; unset it to keep them" % adapter.name)
+    return True
 
 
 def capture[T](api: CheckpointApi, pids: Sequence[int], dump: Callable[[], T], *, timeout_ms: int = cuda_checkpoint.LOCK_TIMEOUT_MS) -> T:

@@ -40,6 +40,7 @@ class DriverData(Sparse):
     peer_connections: bool | None = Field(None, description="A unit of a workload on several hosts: it holds TCP connections to other hosts' units.")
     peer_tcp: tuple[Connection, ...] | None = Field(None, description="Those connections as [local address, port, peer address, port]; each host holds their packets back until every unit is restored.")
     native_files: tuple[str, ...] | None = Field(None, description="A unit of a workload on several hosts: the files of the native weight payload its host holds.")
+    communicators_detached: bool | None = Field(None, description="n610, several GPU ranks: the engine's workers destroyed their NCCL communicators before the checkpoint; a restore has them made again before the weights wake.")
     container: RecordedContainer | None = Field(None, description="Executor docker: the container the unit ran in.")
     runtime: str | None = Field(None, description="Executor docker: the container runtime at capture (docker's version, storage driver, cgroup version).")
     root_pid: int | None = Field(None, description="Only in a device step after a cut that failed before the unit's lock answered: the tree's root, whose device users its host finds again.")

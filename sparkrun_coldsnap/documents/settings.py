@@ -98,6 +98,11 @@ class Settings:
     #: ``COLDSNAP_CUDA_RESTORE``: ``parallel`` restores the CUDA state of a tree's processes side
     #: by side, ``serial`` one after the other.
     cuda_restore_parallel: bool = True
+    #: ``COLDSNAP_COMMUNICATORS``: ``keep`` carries a unit's NCCL communicators of several GPU
+    #: ranks across the CUDA checkpoint; ``rebuild`` has the engine's workers destroy them before
+    #: it and make them again after the restore (engines that can: vLLM, then run eagerly). On one
+    #: GPU shared by two ranks neither came through on driver 580.159.04 (docs/gpu-ranks.md).
+    rebuild_communicators: bool = False
     #: ``COLDSNAP_TEMPLATE_PRELOAD``: modules a template boundary imports (empty: the adapter's).
     template_preload: tuple[str, ...] = ()
     #: ``COLDSNAP_CRIU``: a CRIU command line to try before the system's and the private one.
@@ -151,6 +156,7 @@ class Settings:
             register_piece_mib=_whole_number(env, "COLDSNAP_REGISTER_PIECE_MIB", 0, least=0),
             register_threads=_whole_number(env, "COLDSNAP_REGISTER_THREADS", 4, least=1),
             cuda_restore_parallel=_choice(env, "COLDSNAP_CUDA_RESTORE", {"parallel": True, "serial": False}, "parallel"),
+            rebuild_communicators=_choice(env, "COLDSNAP_COMMUNICATORS", {"rebuild": True, "keep": False}, "keep"),
             template_preload=tuple(m for m in env.get("COLDSNAP_TEMPLATE_PRELOAD", "").split(",") if m),
             criu=tuple(env.get("COLDSNAP_CRIU", "").split()),
             cuda_python=env.get("COLDSNAP_CUDA_PYTHON") or None,

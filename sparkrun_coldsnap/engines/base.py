@@ -92,8 +92,8 @@ class EngineAdapter(ABC):
     #: the engine's own serving benchmark client (``bench --load``); None: the plugin drives none for it
     serving_bench: ClassVar[ServingBench | None] = None
     #: the engine's workers can destroy their NCCL communicators before the CUDA checkpoint and
-    #: make them again after it (``detach_communicators``/``attach_communicators``): a
-    #: communicator kept across the checkpoint breaks its process's context (docs/gpu-ranks.md)
+    #: make them again after it (``detach_communicators``/``attach_communicators``), for
+    #: ``COLDSNAP_COMMUNICATORS=rebuild`` (cuda/ranks.py)
     rebuilds_communicators: ClassVar[bool] = False
 
     # -- identity -------------------------------------------------------

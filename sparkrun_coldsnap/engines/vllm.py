@@ -13,9 +13,9 @@ and the KV cache re-allocated. Two ways to fill it:
 
 vLLM has no sleep mode on the CPU: there the weights stay in the image.
 
-Several GPU ranks: the same extension destroys each worker's NCCL communicators while the
-engine sleeps, before the CUDA checkpoint, and makes them again after the restore's unlock
-(``engine_side/coldsnap_communicators.py``).
+Several GPU ranks with ``COLDSNAP_COMMUNICATORS=rebuild``: the same extension destroys each
+worker's NCCL communicators while the engine sleeps, before the CUDA checkpoint, and makes them
+again after the restore's unlock (``engine_side/coldsnap_communicators.py``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """vLLM's NCCL communicators let go of before the CUDA checkpoint and made again after it.
 
-Why: a communicator kept across the driver's checkpoint breaks its process's CUDA context on
-driver 580 even when it shares no memory with its peers (two NCCL ranks over sockets on one
-H100: the first kernel after the unlock fails with "unspecified launch failure"; two plain
-CUDA processes survive the same cut). So the workers destroy theirs while the engine sleeps,
-before the lock, and create them again after the unlock, before the wake.
+Why: NCCL's own checkpoint support assumes a driver that does not carry a communicator across
+its checkpoint (every communicator destroyed before the lock, made again after the unlock).
+With ``COLDSNAP_COMMUNICATORS=rebuild`` the workers do that: they destroy theirs while the
+engine sleeps, before the lock, and create them again after the unlock, before the wake.
 
 What is touched: in a vLLM worker the NCCL communicator of a group of several ranks is its
 device communicator's ``pynccl_comm``, bootstrapped over the group's gloo CPU group (rank 0's

@@ -20,17 +20,21 @@ the driver's checkpoint cannot carry before driver 610: a call on such a process
 fail, it waits while a peer is locked or checkpointed (NVIDIA/cuda-checkpoint#30), and
 its checkpoint waits while a peer runs (#45). Here too.
 
-A context that holds a collective communicator (:meth:`FakeCudaContext.hold_communicator`:
-NCCL's, or the ring of TCP connections that stands for it in the fake engines) when it is
-checkpointed comes back broken: the restore and the unlock succeed, the driver reports it
-running, and every kernel it launches afterwards fails with "CUDA error: unspecified launch
-failure". That is what the GPU machine did (H100, driver 580.159.04, NCCL 2.28.9;
-docs/gpu-ranks.md, "Two hosts through sparkrun on one GPU"): two NCCL ranks that kept their
-communicator across lock, checkpoint, restore and unlock failed at the first kernel of either
-rank, while two processes without NCCL computed on after the same cut. A context that held no
-communicator at its checkpoint is unaffected, and so is work that launches no kernel (mapping
-memory, copies to and from the host: :meth:`FakeCudaContext.transfer`), as the restored ranks
-there took their weights back and died at their first kernel.
+A driver that loses kept communicators (``FAKE_CUDA_KEPT_COMMUNICATORS=break`` in the
+process's environment; by default they come through, as tensor-parallel vLLM's did on H100s,
+NVIDIA/nvcf#1183): a context that holds a collective communicator
+(:meth:`FakeCudaContext.hold_communicator`: NCCL's, or the ring of TCP connections that stands
+for it in the fake engines) when it is checkpointed comes back broken: the restore and the
+unlock succeed, the driver reports it running, and every kernel it launches afterwards fails
+with "CUDA error: unspecified launch failure", the GPU machine's words for what two NCCL ranks
+sharing one H100 did after the same cut (driver 580.159.04, NCCL 2.28.9; docs/gpu-ranks.md).
+It is the driver NCCL's own checkpoint support assumes (every communicator destroyed before the
+lock, made again after the unlock), the one ``COLDSNAP_COMMUNICATORS=rebuild`` is for. A context
+that held no communicator at its checkpoint is unaffected, and so is work that launches no
+kernel (mapping memory, copies to and from the host: :meth:`FakeCudaContext.transfer`), as the
+restored ranks there took their weights back and died at their first kernel. (On that one
+shared GPU, ranks that destroyed their communicators before the lock failed the same way; this
+fake does not model that.)
 """
 
 from __future__ import annotations
@@ -160,7 +164,7 @@ class FakeCudaContext:
             os.close(self.fd)  # device memory now lives in host memory; the handles go
             self.fd = None
             self.state = "checkpointed"
-            if self.communicator:
+            if self.communicator and os.environ.get("FAKE_CUDA_KEPT_COMMUNICATORS") == "break":
                 self.broken = True  # the driver answers success; the kernels after the restore fail
             return "CUDA_SUCCESS"
         if op == "restore" and self.state == "checkpointed":
