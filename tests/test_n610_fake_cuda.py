@@ -26,6 +26,7 @@ from registry_fixtures import free_port
 from test_criu_driver import wait_http
 
 from sparkrun_coldsnap.cuda import checkpoint as cuda_checkpoint
+from sparkrun_coldsnap.drivers.cpu import CpuDriver
 from sparkrun_coldsnap.drivers.n610 import N610Driver
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
 from sparkrun_coldsnap.host.process_tree import kill_tree, tree_pids
@@ -68,6 +69,16 @@ def restore(tmp_path: Path, image, name: str = "restore.log") -> int:
     driver = N610Driver()
     assert driver.admission(image) == []
     return driver.restore(image, tmp_path / "images", log_path=tmp_path / name, progress=lambda m: None).root_pid
+
+
+def test_the_device_memory_a_checkpoint_moves_into_the_dump_is_what_the_driver_reports(tmp_path, gpus):
+    unit = start(tmp_path, free_port())
+    try:
+        pids = tree_pids(unit.root_pid)
+        assert N610Driver().device_memory(pids) == 2 * (512 << 20)  # two contexts of the fake's 512 MiB
+        assert N610Driver().device_memory([unit.root_pid + 10**6]) == 0 and CpuDriver().device_memory(pids) == 0
+    finally:
+        kill_tree(unit.root_pid)
 
 
 def test_a_cuda_tree_is_checkpointed_dumped_and_restored_through_the_helper(criu, tmp_path, gpus):

@@ -66,6 +66,12 @@ class HereCapture:
             if holder:
                 raise CaptureError("port %d is in use by %s: stop that workload (sparkrun stop) or capture on another port" % (w.launch.port, holder))
         r.launcher.check_capturable()
+        if c.native_wanted and not self.live:
+            # The engine writes its weights as loaded after minutes of start-up: refuse now when
+            # they cannot fit where they go (the dump's own room is checked before the dump).
+            short = native_payload.room_problem(Path(w.model.path) if w.model.path else None)
+            if short:
+                raise CaptureError("%s; free space there, or capture with coldsnap.weights: recovery (no payload written)" % short)
         if self.live and w.launch.executor != "local":
             raise RequestError("hibernate runs on host-process workloads (executor local); this one runs with executor %s" % w.launch.executor)
 
@@ -162,7 +168,9 @@ class HereCapture:
         """What the driver cannot capture, and whether the disks have room for what it will write."""
         with c.rb.phase("precheck"):
             problems = c.r.driver.precheck(self.running.root_pid)
-            estimate = disk_room.dump_estimate(tree_pids(self.running.root_pid))
+            pids = tree_pids(self.running.root_pid)
+            estimate = disk_room.dump_estimate(pids)
+            estimate += c.r.driver.device_memory(pids)
             short = disk_room.shortfall(estimate, c.r.launcher.room_needed(images))
         c.rb.details["dump_estimate_bytes"] = estimate
         if problems:

@@ -60,3 +60,19 @@ def gpus_of(pids: Iterable[int]) -> list[str]:
         return []
     fields = [[f.strip() for f in line.split(",")] for line in out.splitlines()]
     return sorted({f[1] for f in fields if len(f) == 2 and f[0] in wanted})
+
+
+def memory_of(pids: Iterable[int]) -> int:
+    """Bytes of GPU memory the processes *pids* hold, as the driver reports it (0 where it
+    reports nothing): what a CUDA checkpoint moves into their host memory, and so into a dump."""
+    wanted = {str(p) for p in pids}
+    try:
+        out = run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"], timeout=30, check=False).stdout
+    except ToolError:
+        return 0
+    total = 0
+    for line in out.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) == 2 and fields[0] in wanted and fields[1].isdigit():
+            total += int(fields[1]) << 20  # MiB
+    return total

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -93,6 +93,11 @@ class SnapshotDriver(ABC):
         """The command and environment the unit needs so this driver can capture it (a unit
         of several GPU ranks: collectives the checkpoint can carry). Unchanged by default."""
         return command, dict(env)
+
+    def device_memory(self, pids: Iterable[int]) -> int:
+        """Bytes of device memory *pids* hold that this driver's checkpoint moves into their host
+        memory before the dump (so the dump writes them too)."""
+        return 0
 
     def rebuilds_communicators(self, adapter: EngineAdapter, topology: Topology) -> bool:
         """Whether the engine's NCCL communicators must be destroyed before this driver's

@@ -14,7 +14,7 @@ holding one.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +70,10 @@ class N610Driver(CriuDriver):
     def launch_settings(self, command: str, env: Mapping[str, str], *, adapter: EngineAdapter, topology: Topology) -> tuple[str, dict[str, str]]:
         # Several ranks: collectives that share no device memory between processes (cuda/ranks.py).
         return gpu_ranks.launch_settings(command, env, adapter=adapter, topology=topology)
+
+    def device_memory(self, pids: Iterable[int]) -> int:
+        # The CUDA checkpoint moves what stays on the GPU (after the engine's sleep) into host memory.
+        return nvidia.memory_of(pids)
 
     def rebuilds_communicators(self, adapter: EngineAdapter, topology: Topology) -> bool:
         return gpu_ranks.rebuilds_communicators(adapter, topology)

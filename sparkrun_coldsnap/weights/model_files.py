@@ -28,6 +28,18 @@ def model_files(model_dir: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
 
 
+#: the files that hold a model's tensors (what a native payload holds again, as loaded)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def weight_bytes(model_dir: Path) -> int:
+    """Bytes of the model's weight files (0 for a directory that is not there yet)."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        return 0
+    return sum(p.stat().st_size for p in model_files(root) if p.suffix in WEIGHT_SUFFIXES)
+
+
 class DigestCache:
     """sha256 of files by (device, inode, size, mtime_ns), persisted as JSON."""
 

@@ -20,12 +20,19 @@ from sparkrun_coldsnap.digests import canonical_json, hex_of, sha256_bytes, shor
 from sparkrun_coldsnap.documents.capsule_config import NativePayload
 from sparkrun_coldsnap.engines.base import Endpoint, EngineAdapter
 from sparkrun_coldsnap.errors import EngineError
-from sparkrun_coldsnap.host import paths
+from sparkrun_coldsnap.host import disk_room, paths
 from sparkrun_coldsnap.weights import model_files
 
 
 def root() -> Path:
     return paths.coldsnap_home() / "native"
+
+
+def room_problem(model_dir: Path | None) -> str | None:
+    """Whether a payload of the model at *model_dir* (its weights as loaded: about its weight
+    files' size) has no room where payloads go; the line that says so, else None."""
+    weights = model_files.weight_bytes(model_dir) if model_dir else 0
+    return disk_room.shortfall(weights, [(root(), 1.0, "the native weight payload (the model's weights as loaded)")])
 
 
 def directory(record: NativePayload) -> Path:
