@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -59,6 +60,10 @@ def base_env(home: Path) -> dict[str, str]:
     return env
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @dataclass
 class Sparkrun:
     """sparkrun's own entry point, run as a user would, in a private HOME."""
@@ -73,8 +78,12 @@ class Sparkrun:
         return cp
 
     def popen(self, *args: str) -> subprocess.Popen:
-        """sparkrun started with its output (stderr folded in) readable as it comes."""
-        return subprocess.Popen([str(BIN / "sparkrun"), *args], env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT))
+        """sparkrun started with its output (stderr folded in) readable as it comes, and Ctrl-C's
+        default: a suite started in the background of a shell ignores SIGINT, and a process
+        that starts with it ignored keeps ignoring it, as a user's terminal would not."""
+        return subprocess.Popen(
+            [str(BIN / "sparkrun"), *args], env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT), preexec_fn=_sigint_default,
+        )  # fmt: skip
 
     def coldsnap(self, *args: str, **kw) -> subprocess.CompletedProcess:
         return self("coldsnap", *args, **kw)
