@@ -153,13 +153,18 @@ def wake_and_reload(engine: Engine) -> None:
         assert r.status_code == 200, (path, r.text)
 
 
+def served_then_asleep(engine: Engine) -> tuple[str, dict[str, int]]:
+    """The reply before anything happened, and the processes holding contexts; the engine asleep (level 2)."""
+    before, pids = engine.chat(), engine.cuda_pids()
+    assert engine.post("/sleep?level=2").status_code == 200
+    return before, pids
+
+
 def test_ranks_that_keep_their_communicator_across_the_cut_fail_at_their_first_kernel(tmp_path, gpus):
     engine = start(tmp_path)
     try:
-        engine.chat()
-        pids = engine.cuda_pids()
+        _, pids = served_then_asleep(engine)
         assert [record(pids[r])["communicator"] for r in ("api", "rank-0", "rank-1")] == [False, True, True]  # the ranks hold the ring
-        assert engine.post("/sleep?level=2").status_code == 200
         cut(list(pids.values()))
         assert [record(pids[r])["broken"] for r in ("api", "rank-0", "rank-1")] == [False, True, True]
         # Mapping memory and copying weights launch no kernel: they go through, as on the GPU machine.
@@ -177,9 +182,7 @@ def test_a_driver_that_carries_kept_communicators_leaves_the_ranks_serving(tmp_p
     monkeypatch.delenv("FAKE_CUDA_KEPT_COMMUNICATORS")
     engine = start(tmp_path)
     try:
-        before = engine.chat()
-        pids = engine.cuda_pids()
-        assert engine.post("/sleep?level=2").status_code == 200
+        before, pids = served_then_asleep(engine)
         cut(list(pids.values()))
         assert [record(pids[r])["broken"] for r in ("api", "rank-0", "rank-1")] == [False, False, False]
         wake_and_reload(engine)
@@ -191,9 +194,7 @@ def test_a_driver_that_carries_kept_communicators_leaves_the_ranks_serving(tmp_p
 def test_communicators_detached_before_the_cut_and_attached_after_it_give_the_same_reply(tmp_path, gpus):
     engine = start(tmp_path)
     try:
-        before = engine.chat()
-        pids = engine.cuda_pids()
-        assert engine.post("/sleep?level=2").status_code == 200
+        before, pids = served_then_asleep(engine)
         r = engine.rpc("coldsnap_detach_communicators")
         assert r.status_code == 200, r.text
         assert r.json() == {"results": [{"rank": 0, "detached": ["tp:0"], "torch_nccl_initialized": []}, {"rank": 1, "detached": ["tp:0"], "torch_nccl_initialized": []}]}
