@@ -202,6 +202,7 @@ def _checkpoint_at_capture_point(c: Capturing, units: CaptureUnits, staging: Pat
     r, rb = c.r, c.rb
     validation: Validation | None = None
     native = None
+    detached = False
     if r.driver.checkpoints_serving:
         validation = _validated(c, units, t0)
         native = units.write_native(c) if c.native_wanted else None
@@ -213,11 +214,12 @@ def _checkpoint_at_capture_point(c: Capturing, units: CaptureUnits, staging: Pat
                 # communicators now; the restore makes them again.
                 with rb.phase("detach_communicators"), c.progress.waiting("destroying the workers' NCCL communicators"):
                     rb.details["communicators_detached"] = list(r.adapter.detach_communicators(units.endpoint(c)))
+                detached = True
     else:
         with rb.phase("boundary"), c.progress.waiting("waiting for the engine to reach the %s driver's boundary" % r.driver.name):
             units.await_boundary(c)
     images = units.checkpoint(c, staging)
-    if "detach_communicators" in {p.name for p in rb.phases}:
+    if detached:
         # The restore makes them again, whatever its own settings say.
         images = [i.model_copy(update={"driver_data": i.driver_data.merged(DriverData(communicators_detached=True))}) for i in images]
     t_resume = time.monotonic()

@@ -202,7 +202,7 @@ class HereCapture:
             c.rb.details["workload_state"] = "running" if self.unit.alive() else "gone"
             return
         try:
-            if "detach_communicators" in {p.name for p in c.rb.phases}:
+            if "detach_communicators" in {p.name for p in c.rb.phases}:  # one that failed half-way too
                 with c.rb.phase("attach_after_failure"):
                     c.r.adapter.attach_communicators(self.endpoint(c))
             with c.rb.phase("wake_after_failure"):

@@ -51,28 +51,24 @@ def checkpoint_api_problem(host: HostFacts) -> str | None:
     return None
 
 
-def gpus_of(pids: Iterable[int]) -> list[str]:
-    """The GPUs (UUIDs) on which the processes *pids* hold memory, as the driver reports it."""
+def _compute_apps(column: str, pids: Iterable[int]) -> list[str]:
+    """*column* of every process among *pids* that holds memory on a GPU, one row per GPU it
+    uses, as the driver reports it (none where there is no nvidia-smi or no answer)."""
     wanted = {str(p) for p in pids}
     try:
-        out = run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"], timeout=30, check=False).stdout
-    except ToolError:  # no nvidia-smi, or no answer: nothing reported
+        out = run(["nvidia-smi", "--query-compute-apps=pid,%s" % column, "--format=csv,noheader,nounits"], timeout=30, check=False).stdout
+    except ToolError:
         return []
     fields = [[f.strip() for f in line.split(",")] for line in out.splitlines()]
-    return sorted({f[1] for f in fields if len(f) == 2 and f[0] in wanted})
+    return [f[1] for f in fields if len(f) == 2 and f[0] in wanted]
+
+
+def gpus_of(pids: Iterable[int]) -> list[str]:
+    """The GPUs (UUIDs) on which the processes *pids* hold memory, as the driver reports it."""
+    return sorted(set(_compute_apps("gpu_uuid", pids)))
 
 
 def memory_of(pids: Iterable[int]) -> int:
     """Bytes of GPU memory the processes *pids* hold, as the driver reports it (0 where it
     reports nothing): what a CUDA checkpoint moves into their host memory, and so into a dump."""
-    wanted = {str(p) for p in pids}
-    try:
-        out = run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"], timeout=30, check=False).stdout
-    except ToolError:
-        return 0
-    total = 0
-    for line in out.splitlines():
-        fields = [f.strip() for f in line.split(",")]
-        if len(fields) == 2 and fields[0] in wanted and fields[1].isdigit():
-            total += int(fields[1]) << 20  # MiB
-    return total
+    return sum(int(mib) << 20 for mib in _compute_apps("used_memory", pids) if mib.isdigit())

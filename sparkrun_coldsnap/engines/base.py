@@ -173,15 +173,18 @@ class EngineAdapter(ABC):
     def communicator_launch(self, command: str, env: Mapping[str, str]) -> tuple[str, dict[str, str]]:
         """The command and environment that let the workers rebuild their communicators
         (``rebuilds_communicators`` adapters)."""
-        raise EngineError("%s cannot rebuild its NCCL communicators around a CUDA checkpoint" % self.name)
+        raise self._cannot_rebuild()
 
     def detach_communicators(self, endpoint: Endpoint) -> tuple[dict[str, Any], ...]:
         """Every worker destroys its NCCL communicators (the engine asleep); what each reported."""
-        raise EngineError("%s cannot rebuild its NCCL communicators around a CUDA checkpoint" % self.name)
+        raise self._cannot_rebuild()
 
     def attach_communicators(self, endpoint: Endpoint) -> tuple[dict[str, Any], ...]:
         """Every worker makes again the communicators it detached (after the unlock, before the wake)."""
-        raise EngineError("%s cannot rebuild its NCCL communicators around a CUDA checkpoint" % self.name)
+        raise self._cannot_rebuild()
+
+    def _cannot_rebuild(self) -> EngineError:
+        return EngineError("%s cannot rebuild its NCCL communicators around a CUDA checkpoint" % self.name)
 
     def export_native(self, endpoint: Endpoint, directory: str) -> tuple[dict[str, Any], ...]:
         """Have the serving engine write its loaded weights to *directory* (one file set per worker)."""

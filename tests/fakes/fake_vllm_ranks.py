@@ -14,9 +14,10 @@ and ``--headless`` on every host but the head. What it does is vLLM's multi-node
   TCP connections between the hosts, as NCCL's socket transport makes (the ring's interface
   is the one the rank advertises, ``NODE_IP``, as ``NCCL_SOCKET_IFNAME`` picks one);
 * the ring is the tensor-parallel group's NCCL communicator (``tp:0``): each rank's context
-  holds it from the start (``hold_communicator``), so a CUDA checkpoint of a rank that still
+  holds it from the start (``hold_communicator``), so where the fake driver loses kept
+  communicators (``FAKE_CUDA_KEPT_COMMUNICATORS=break``) a CUDA checkpoint of a rank that still
   holds it breaks the rank's context, and its next kernel after the restore fails with
-  "unspecified launch failure" (tests/fakes/fake_cuda, as on the GPU machine);
+  "unspecified launch failure" (tests/fakes/fake_cuda);
 * a generation is a ring all-reduce: each rank computes its share inside a kernel of its
   context (a kernel waits while the process is CUDA-locked, and fails without a device), the
   partial sums go once around the ring, every rank must reach the same sum, and the reply is a
@@ -29,13 +30,14 @@ and ``--headless`` on every host but the head. What it does is vLLM's multi-node
   files), ``coldsnap_export_native`` (each writes ``DIR/rank-N.bin`` and ``rank-N.json`` on its
   own host), ``coldsnap_load_native`` (each reads its own back, and refuses a file it did not
   write), ``coldsnap_detach_communicators`` (each closes its ring and holds no communicator:
-  ``{"rank", "detached": ["tp:0"], "torch_nccl_initialized": []}``, ``detached`` empty where
-  it held none; a generation on a detached rank ends it, as the destroyed communicator's
+  ``{"rank", "detached": ["tp:0"], "torch_nccl_initialized": []}``; a generation on a
+  detached rank ends it, as the destroyed communicator's
   stand-in refuses), ``coldsnap_attach_communicators`` (collective: each rank listens on a new
   ring port, the head gathers the addresses over the engine core's channel, which stands for
   vLLM's gloo CPU group, and hands out the table, each rank connects to its successor and
   accepts its predecessor and holds the communicator again: ``{"rank", "attached": ["tp:0"],
-  "seconds"}``; on a rank attached already it is an error, 500); ``{"results": [one per
+  "seconds"}``; on ranks that detached nothing it makes nothing, ``"attached": []``, as the
+  plugin's extension does, and a second detach is refused, 500); ``{"results": [one per
   rank]}``; a method the workers lack answers 400, as vLLM does: the workers have
   ``reload_weights``, the native payload's methods with ``--worker-extension-cls
   coldsnap_native_weights.NativeWeights`` or ``coldsnap_worker.ColdsnapWorker``, and the
@@ -199,28 +201,27 @@ class Rank:
         return total
 
     def op_coldsnap_detach_communicators(self, req: dict) -> dict:
-        detached = []
-        if self.succ is not None and self.pred is not None:
-            self.succ.close()
-            self.pred.close()
-            detached = [GROUP]
+        if self.succ is None or self.pred is None:  # the extension refuses a second detach
+            return {"error": "rank %d's communicators are already detached (%s)" % (self.rank, GROUP)}
+        self.succ.close()
+        self.pred.close()
         self.succ = self.pred = None
         self.ctx.hold_communicator(False)
-        return {"rank": self.rank, "detached": detached, "torch_nccl_initialized": []}
+        return {"rank": self.rank, "detached": [GROUP], "torch_nccl_initialized": []}
 
     def op_coldsnap_attach_communicators(self, req: dict) -> dict:
         """The collective half over the engine core's channel: offer a ring address, take the table."""
         started = time.monotonic()
-        if self.succ is not None:
+        if self.succ is not None:  # nothing detached: the extension makes nothing
             send_line(self.control, {"ring": None})
             self.lines.read()  # the head's answer, which is no table
-            return {"error": "rank %d: the communicator of group %s is attached already: coldsnap_attach_communicators without coldsnap_detach_communicators before it" % (self.rank, GROUP)}
+            return {"rank": self.rank, "attached": [], "seconds": time.monotonic() - started}
         listener = socket.create_server((self.address, 0))
         send_line(self.control, {"ring": [self.address, listener.getsockname()[1]]})
         table = self.lines.read()["table"]
         if table is None:
             listener.close()
-            return {"error": "rank %d: another rank refused to attach; this one stays detached" % self.rank}
+            return {"error": "rank %d: another rank had nothing to attach; this one stays detached" % self.rank}
         self._join_ring(listener, table)
         return {"rank": self.rank, "attached": [GROUP], "seconds": time.monotonic() - started}
 

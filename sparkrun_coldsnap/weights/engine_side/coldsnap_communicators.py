@@ -84,6 +84,8 @@ class Communicators:
     _coldsnap_detached: tuple[tuple[str, Any], ...] | None = None
 
     def coldsnap_detach_communicators(self) -> dict[str, Any]:
+        import torch
+
         rank = int(getattr(self, "rank", 0) or 0)
         if self._coldsnap_detached is not None:
             raise RuntimeError("rank %d's communicators are already detached (%s)" % (rank, ", ".join(n for n, _ in self._coldsnap_detached) or "none held"))
@@ -98,8 +100,6 @@ class Communicators:
             comm = getattr(communicator, "pynccl_comm", None)
             if comm is None or isinstance(comm, DetachedCommunicator) or comm.disabled:
                 continue
-            import torch
-
             # Destroyed here and now (not vLLM's abort in a thread it stops waiting for): the
             # checkpoint must not find the communicator's threads or memory half gone.
             with torch.accelerator.device_index(comm.device.index):
