@@ -4,10 +4,12 @@ and preparation's refusals, which leave no container behind (real docker for tho
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -184,6 +186,26 @@ def test_a_name_held_by_another_container_is_not_taken(daemon, tmp_path):
         assert named("coldsnap-test-holder") == ["coldsnap-test-holder"]  # untouched
     finally:
         docker("rm", "-f", "coldsnap-test-holder")
+
+
+def test_a_tcp_connection_inside_the_container_is_checkpointed_with_both_ends(daemon, tmp_path):
+    # What torch.distributed's store keeps open in every GPU engine: a TCP connection from the
+    # tree to itself. runc's CRIU refuses it unless runc.conf says tcp-established.
+    assert docker_unit.missing_runc_options() == [], "run `sparkrun coldsnap setup --docker`"
+    command = 'python3 -c \'import socket, time; s = socket.create_server(("127.0.0.1", 0)); c = socket.create_connection(s.getsockname()); a, _ = s.accept(); c.sendall(b"x"); print("connected", flush=True); time.sleep(600)\''
+    spec = dataclasses.replace(daemon, command=command)
+    unit = docker_unit.start_container(spec, "coldsnap-test-tcp")
+    try:
+        for _ in range(100):
+            if "connected" in docker("exec", unit.container_id, "cat", docker_unit.LOG_IN_CONTAINER).stdout:
+                break
+            time.sleep(0.1)
+        images = tmp_path / "images"
+        docker_unit.checkpoint(unit, images)
+        assert any(p.name.startswith("tcp-stream-") for p in images.iterdir()), sorted(p.name for p in images.iterdir())
+    finally:
+        unit.remove()
+    assert named("coldsnap-test-tcp") == []
 
 
 def test_a_stale_preparation_is_removed_with_its_images(daemon, tmp_path):

@@ -159,6 +159,32 @@ def test_gpus_become_spec_entries_devices_and_the_drivers_files_read_only(tmp_pa
         gpu_devices.device_args(("7",), dev=dev, library_dirs=[str(lib)])
 
 
+def test_a_solo_container_gets_the_hosts_gpus_or_those_cuda_visible_devices_names(tmp_path):
+    # sparkrun's placement gives a single-host run no device list; a container sees only
+    # the devices its spec names, so without these the engine finds no GPU at all.
+    for name in ("nvidia0", "nvidia1", "nvidia10", "nvidiactl", "nvidia-uvm", "nvidia-caps"):
+        (tmp_path / name).touch()
+    assert gpu_devices.host_gpus(None, dev=tmp_path) == ("0", "1", "10")
+    assert gpu_devices.host_gpus("1", dev=tmp_path) == ("1",)
+    assert gpu_devices.host_gpus("GPU-0d84ee44", dev=tmp_path) == ("0", "1", "10")
+    assert gpu_devices.host_gpus("3", dev=tmp_path) == ()
+    assert gpu_devices.host_gpus(None, dev=tmp_path / "absent") == ()
+
+
+def test_a_solo_unit_in_a_container_is_given_the_gpus_unless_its_driver_is_the_cpu_one(monkeypatch):
+    from helpers import synthetic_workload
+
+    from sparkrun_coldsnap.documents.request import LaunchUnit, Topology
+    from sparkrun_coldsnap.launch import containers
+
+    monkeypatch.setattr(gpu_devices, "host_gpus", lambda visible: ("0",))
+    solo = synthetic_workload().model_copy(update={"driver": "n610"})
+    assert containers.unit_gpus(solo) == ("0",)
+    assert containers.unit_gpus(solo.model_copy(update={"driver": "cpu"})) == ()
+    ranked = solo.model_copy(update={"topology": Topology(hosts=("a",), units=(LaunchUnit(name="rank-0", host="a", rank=0, devices=("1",)),))})
+    assert containers.unit_gpus(ranked) == ("1",)
+
+
 def test_namespace_pids_are_read_from_proc(tmp_path):
     (tmp_path / "4102").mkdir()
     (tmp_path / "4102" / "status").write_text("Name:\tpython\nNSpid:\t4102\t24\n")

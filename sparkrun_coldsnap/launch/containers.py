@@ -8,13 +8,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.documents.driver_data import DriverData, RecordedContainer
 from sparkrun_coldsnap.documents.request import redact_env
 from sparkrun_coldsnap.documents.unit_image import UnitImage
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
 from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.host.process_tree import tree_pids
-from sparkrun_coldsnap.launch import checkpoint_leftovers, container_restore, docker, gpu_container
+from sparkrun_coldsnap.launch import checkpoint_leftovers, container_restore, docker, gpu_container, gpu_devices
 from sparkrun_coldsnap.launch.base import Launcher, Progress, RunningUnit
 from sparkrun_coldsnap.launch.docker import ContainerSpec
 
@@ -35,8 +36,17 @@ def container_spec(workload: Workload, command: str, env: Mapping[str, str], lab
         volumes=dict(workload.launch.volumes),
         shm_size=workload.launch.shm_size or "32g",
         labels=dict(labels or {}),
-        gpus=tuple(workload.topology.units[0].devices),  # the unit's accelerators, as sparkrun's --gpus gives them
+        gpus=unit_gpus(workload),
     )
+
+
+def unit_gpus(workload: Workload) -> tuple[str, ...]:
+    """The unit's accelerators, as sparkrun's --gpus gives them; a solo unit (no device list) the
+    host's GPUs, unless its snapshot driver is the CPU one."""
+    unit = workload.topology.units[0]
+    if unit.devices or workload.driver == "cpu":
+        return tuple(unit.devices)
+    return gpu_devices.host_gpus(settings.current().cuda_visible_devices)
 
 
 @dataclass

@@ -69,9 +69,13 @@ def info() -> dict[str, str]:
 
 RUNC_CRIU_CONF = Path("/etc/criu/runc.conf")
 # What runc's CRIU must be told for an inference server (runc reads this file on
-# every checkpoint and restore): semaphores whose mapped name was deleted need
-# link remapping, and unlinked shared memory can exceed the default ghost limit.
-RUNC_CRIU_OPTIONS = ("link-remap", "ghost-limit 256M")
+# every checkpoint and restore, and its settings win over those runc passes): semaphores
+# whose mapped name was deleted need link remapping, and unlinked shared memory can exceed
+# the default ghost limit. torch.distributed's store keeps a TCP connection to itself open
+# in every GPU engine (vLLM's, even with one rank): both ends are in the tree, dumped and
+# restored in repair mode; with the host's network (every container the plugin starts) there
+# is no namespace of the container's own to lock, as for the host-process tree (criu/tree.py).
+RUNC_CRIU_OPTIONS = ("link-remap", "ghost-limit 256M", "tcp-established", "network-lock skip")
 
 
 def runc_conf_lines() -> list[str]:

@@ -44,6 +44,20 @@ def device_args(gpus: Sequence[str], *, dev: Path = Path("/dev"), library_dirs: 
     return args
 
 
+def host_gpus(visible: str | None = None, *, dev: Path = Path("/dev")) -> tuple[str, ...]:
+    """The GPU indices a single-host container gets: every GPU with a device node here, or those
+    *visible* (``CUDA_VISIBLE_DEVICES`` as indices) names. sparkrun's placement gives a solo run
+    no device list (a host-process engine sees every GPU and CUDA_VISIBLE_DEVICES picks), but a
+    container sees only the devices its spec names: without them the engine finds no GPU."""
+    present = sorted((m.group(1) for m in (re.fullmatch(r"nvidia(\d+)", p.name) for p in dev.glob("nvidia*")) if m), key=int)
+    if visible is None or not visible.strip():
+        return tuple(present)
+    wanted = [v.strip() for v in visible.split(",") if v.strip()]
+    if not all(re.fullmatch(r"\d+", v) for v in wanted):
+        return tuple(present)  # UUIDs or MIG names: CUDA picks among all of them inside the container
+    return tuple(v for v in wanted if v in present)
+
+
 def driver_files(library_dirs: Sequence[str] = LIBRARY_DIRS) -> list[str]:
     found: list[str] = []
     for d in library_dirs:
