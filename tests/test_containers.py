@@ -194,6 +194,23 @@ def test_docker_stop_treats_the_restored_container_like_any_other(captured, spar
     assert name not in status
 
 
+def test_a_run_while_the_restored_container_serves_replaces_it_once_the_new_one_is_staged(captured, sparkrun):
+    store, recipe, receipt = captured
+    unpacked_before = unpacked_checkpoints()
+    sparkrun("run", str(recipe), "-H", "localhost", "--no-follow")
+    first = containers()
+    assert len(first) == 1
+    out = sparkrun("run", str(recipe), "-H", "localhost", "--no-follow")
+    text = out.stderr + out.stdout
+    # Staged while the old one served, then the old one removed, then the restore.
+    assert text.index("admitted and staged") < text.index("removing the container this run replaces") < text.index("restored tiny-docker:latest"), text[-3000:]
+    now = containers()
+    assert len(now) == 1 and now[0]["Names"] == first[0]["Names"] and now[0]["ID"] != first[0]["ID"]
+    assert ask() == receipt["validation"]["reply"]
+    sparkrun("stop", str(recipe), "-H", "localhost")
+    assert_nothing_left(unpacked_before)
+
+
 def test_a_container_holding_sparkruns_name_is_left_alone(captured, sparkrun):
     store, recipe, receipt = captured
     sparkrun("run", str(recipe), "-H", "localhost", "--no-follow")

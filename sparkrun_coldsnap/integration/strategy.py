@@ -207,10 +207,15 @@ class Strategy:
         out: Any = None
         try:
             with _INTERRUPTS.committed(what) if prepared is not None else contextlib.nullcontext():
-                replaced = _replaced(name) if local and not (prepared is not None and prepared.restored_ahead) else None
+                ahead = prepared is not None and prepared.restored_ahead
+                replaced = _replaced(name) if local and not ahead else None
                 if replaced is not None:  # (a tree restored ahead is recorded under the name: it is this workload)
                     stopped = "%s (pid %d)" % replaced
                     _stop_replaced(name, *replaced)
+                container = _replaced_container(name) if not local and not ahead else None
+                if container is not None:
+                    stopped = "container %s (%s)" % (name, container[:12])
+                    _stop_replaced_container(name, container)
                 try:
                     done = api.activate(plan, log_path=log_path, on_started=(lambda pid: _register(name, pid)) if local else None, progress=Progress(), on_note=_say)
                 except ColdsnapError as err:
@@ -339,6 +344,37 @@ def _stop_replaced(name: str, old: str, pid: int) -> None:
     kill_tree(pid, grace=10.0)
     if old != name:
         unregister_local(old)
+
+
+def _replaced_container(name: str) -> str | None:
+    """The id of sparkrun's container this run replaces: the one that holds the workload's name
+    and sparkrun's owner label (a container of that name that is not sparkrun's is left alone,
+    and the restore then refuses to take its name)."""
+    import json
+
+    from sparkrun.core.application_profile import get_application_profile
+    from sparkrun.core.ownership import OWNER_LABEL
+
+    from sparkrun_coldsnap.launch import docker
+
+    out = docker.docker("inspect", "--type", "container", "--format", "{{.Id}} {{json .Config.Labels}}", name, check=False, timeout=60)
+    if out.returncode != 0 or not out.stdout.strip():
+        return None
+    cid, _, labels = out.stdout.strip().partition(" ")
+    # The label, not the name alone (sparkrun's own guard also owns unlabelled containers of its
+    # old naming): a container someone made under that name is not removed.
+    return cid if (json.loads(labels) or {}).get(OWNER_LABEL) == get_application_profile().id else None
+
+
+def _stop_replaced_container(name: str, container: str) -> None:
+    """Remove the container this run replaces, now that the new one is staged: sparkrun's own
+    docker launch removes a container of the same name first (``docker rm -f``); a strategy
+    replaces that launch, so the plugin does it here, after preparation and before the restore
+    or start, which would otherwise find the port (and the name) still held."""
+    from sparkrun_coldsnap.launch import docker
+
+    _say("removing the container this run replaces (%s, %s), now that the new one is staged" % (name, container[:12]))
+    docker.docker("rm", "-f", container, check=False, timeout=120)
 
 
 def _drop_at_exit(plan: api.Plan) -> None:
