@@ -185,6 +185,28 @@ def test_a_solo_unit_in_a_container_is_given_the_gpus_unless_its_driver_is_the_c
     assert containers.unit_gpus(ranked) == ("1",)
 
 
+def test_the_drivers_files_are_found_where_the_loader_finds_them(tmp_path):
+    # Some machines keep the driver under /usr/local/nvidia/lib64 with links in /lib: the
+    # container gets the files of both, or its engine finds no libcuda.
+    real = tmp_path / "usr" / "local" / "nvidia" / "lib64"
+    links = tmp_path / "lib"
+    real.mkdir(parents=True)
+    links.mkdir()
+    (real / "libcuda.so.580.159.04").touch()
+    (real / "libcuda.so.1").symlink_to("libcuda.so.580.159.04")
+    (real / "libnvidia-ml.so.1").touch()
+    (links / "libcuda.so.1").symlink_to(real / "libcuda.so.1")
+    cache = "3 libs found in cache `/etc/ld.so.cache'\n"
+    cache += "\tlibcuda.so.1 (libc6,x86-64) => %s\n\tlibnvidia-ml.so.1 (libc6,x86-64) => %s\n" % (links / "libcuda.so.1", real / "libnvidia-ml.so.1")
+    cache += "\tlibc.so.6 (libc6,x86-64) => /lib/x86_64-linux-gnu/libc.so.6\n"
+    dirs = gpu_devices.driver_library_dirs(cache)
+    assert dirs[: len(gpu_devices.LIBRARY_DIRS)] == list(gpu_devices.LIBRARY_DIRS)
+    assert dirs[len(gpu_devices.LIBRARY_DIRS) :] == [str(links), str(real)]
+    assert gpu_devices.driver_files([str(links), str(real)]) == [
+        str(links / "libcuda.so.1"), str(real / "libcuda.so.1"), str(real / "libcuda.so.580.159.04"), str(real / "libnvidia-ml.so.1"),
+    ]  # fmt: skip
+
+
 def test_namespace_pids_are_read_from_proc(tmp_path):
     (tmp_path / "4102").mkdir()
     (tmp_path / "4102" / "status").write_text("Name:\tpython\nNSpid:\t4102\t24\n")

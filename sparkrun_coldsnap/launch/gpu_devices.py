@@ -10,9 +10,11 @@ paths (``-v``). (CDI, in Docker >= 25, puts them in the spec too.)
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
 import re
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,7 +27,7 @@ DRIVER_FILE_PATTERNS = ("libcuda.so*", "libnvidia-ml.so*", "libnvidia-ptxjitcomp
 LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64")
 
 
-def device_args(gpus: Sequence[str], *, dev: Path = Path("/dev"), library_dirs: Sequence[str] = LIBRARY_DIRS) -> list[str]:
+def device_args(gpus: Sequence[str], *, dev: Path = Path("/dev"), library_dirs: Sequence[str] | None = None) -> list[str]:
     """``docker create`` arguments giving a container GPUs *gpus* (indices) as spec entries."""
     args: list[str] = []
     for index in gpus:
@@ -58,9 +60,33 @@ def host_gpus(visible: str | None = None, *, dev: Path = Path("/dev")) -> tuple[
     return tuple(v for v in wanted if v in present)
 
 
-def driver_files(library_dirs: Sequence[str] = LIBRARY_DIRS) -> list[str]:
+def driver_files(library_dirs: Sequence[str] | None = None) -> list[str]:
+    """The driver's user-space files in *library_dirs* (default: the distributions' library
+    directories and wherever the loader finds the driver's libraries)."""
     found: list[str] = []
-    for d in library_dirs:
+    for d in library_dirs if library_dirs is not None else driver_library_dirs():
         for pattern in DRIVER_FILE_PATTERNS:
-            found += sorted(glob.glob(os.path.join(d, pattern)))
+            found += [f for f in sorted(glob.glob(os.path.join(d, pattern))) if f not in found]
     return found
+
+
+def driver_library_dirs(loader_cache: str | None = None) -> list[str]:
+    """The distributions' library directories, then every directory the loader's cache
+    (``ldconfig -p``, or *loader_cache*) finds a driver library in, and where its links lead.
+
+    Not every machine keeps the driver where a distribution's package puts it: some install it
+    under /usr/local/nvidia/lib64 with links in /lib; a container needs the files of both."""
+    if loader_cache is None:
+        try:
+            loader_cache = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            loader_cache = ""
+    dirs = list(LIBRARY_DIRS)
+    for line in loader_cache.splitlines():
+        name, _, path = line.strip().partition(" => ")
+        if not path or not any(fnmatch.fnmatch(name.split()[0], p) for p in DRIVER_FILE_PATTERNS):
+            continue
+        for d in (os.path.dirname(path), os.path.dirname(os.path.realpath(path))):
+            if d not in dirs:
+                dirs.append(d)
+    return dirs
