@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkrun_coldsnap.errors import RestoreError
+from sparkrun_coldsnap.errors import RestoreError, ToolError
 from sparkrun_coldsnap.host import disk_room
 from sparkrun_coldsnap.launch import checkpoint_leftovers, checkpoint_links, container_restore, lazy_runtime, volume_files
 from sparkrun_coldsnap.launch import docker as docker_unit
@@ -206,6 +206,30 @@ def test_a_tcp_connection_inside_the_container_is_checkpointed_with_both_ends(da
     finally:
         unit.remove()
     assert named("coldsnap-test-tcp") == []
+
+
+def test_a_failed_checkpoint_keeps_crius_log_and_names_it(daemon, tmp_path, monkeypatch):
+    # An io_uring instance: CRIU cannot dump one, so runc's checkpoint fails. containerd
+    # removes CRIU's log with the task once the container goes: the failure keeps a copy.
+    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "home"))
+    if Path("/proc/sys/kernel/io_uring_disabled").read_text().strip() != "0":
+        pytest.fail("io_uring is disabled on this host (kernel.io_uring_disabled): set it to 0 for this test")
+    command = "python3 -c 'import ctypes, time; fd = ctypes.CDLL(None, use_errno=True).syscall(425, 4, ctypes.create_string_buffer(120)); print(\"ring\", fd, flush=True); time.sleep(600)'"
+    unit = docker_unit.start_container(dataclasses.replace(daemon, command=command), "coldsnap-test-ring")
+    try:
+        for _ in range(100):
+            if "ring" in docker("exec", unit.container_id, "cat", docker_unit.LOG_IN_CONTAINER).stdout:
+                break
+            time.sleep(0.1)
+        assert "ring -1" not in docker("exec", unit.container_id, "cat", docker_unit.LOG_IN_CONTAINER).stdout
+        with pytest.raises(ToolError) as failed:
+            docker_unit.checkpoint(unit, tmp_path / "images")
+    finally:
+        unit.remove()
+    kept = tmp_path / "home" / "run" / "logs" / "container-checkpoint-coldsnap-test-ring.log"
+    assert "; CRIU's log: %s (" % kept in str(failed.value), str(failed.value)
+    assert "Dumping FAILED" in kept.read_text()
+    assert named("coldsnap-test-ring") == []
 
 
 def test_a_stale_preparation_is_removed_with_its_images(daemon, tmp_path):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import tarfile
@@ -38,7 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sparkrun_coldsnap.criu.tool import log_tail
 from sparkrun_coldsnap.errors import ToolError
+from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.host.logfile import last_line
 from sparkrun_coldsnap.host.runner import Completed, run
 from sparkrun_coldsnap.launch import gpu_devices
@@ -278,13 +281,32 @@ def checkpoint(unit: ContainerUnit, images: Path) -> None:
     volume_files.save(volume_files.in_use(tree_pids(root)), Path("/proc/%d/root" % root), cache_files)
     out = docker("checkpoint", "create", unit.container_id, CHECKPOINT, check=False, timeout=1800)
     if out.returncode != 0:
-        raise ToolError("docker checkpoint of %s failed: %s" % (unit.name, out.tail()))
+        kept = keep_dump_log(out.stdout + out.stderr, unit.name)
+        where = "; CRIU's log: %s (%s)" % (kept, log_tail(kept)) if kept is not None else ""
+        raise ToolError("docker checkpoint of %s failed: %s%s" % (unit.name, out.tail(), where))
     source = container_dir(unit.container_id) / "checkpoints" / CHECKPOINT
     shutil.move(str(source), str(images))
     if (cache_files / volume_files.STORED).exists():
         os.rename(cache_files / volume_files.STORED, images / volume_files.STORED)
     shutil.rmtree(cache_files, ignore_errors=True)
     write_rootfs_tar(upper_dir(unit.container_id), images / ROOTFS_TAR)
+
+
+#: runc names CRIU's log of a failed checkpoint in its error: ``path= <task dir>/criu-dump.log``.
+DUMP_LOG_IN_ERROR = re.compile(r"(/\S+/criu-dump\.log)")
+
+
+def keep_dump_log(error: str, name: str) -> Path | None:
+    """Copy CRIU's log of a failed ``docker checkpoint`` out of containerd's task directory,
+    which goes with the container once it is removed (a failed checkpoint leaves it running,
+    so the log is still there now); the copy's path, or None where there is none."""
+    match = DUMP_LOG_IN_ERROR.search(error)
+    if match is None or not Path(match.group(1)).is_file():
+        return None
+    kept = paths.run_dir() / "logs" / ("container-checkpoint-%s.log" % name)
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(match.group(1), kept)
+    return kept
 
 
 def write_rootfs_tar(upper: Path, target: Path) -> None:
