@@ -460,7 +460,7 @@ def fetch_capsule(block: ColdsnapBlock, capsule: CapsuleRef, store: CapsuleStore
     got = transfer.pull_with_companions(
         RegistryClient(ref, transport), ref, store, local_ref=capsule.ref, model_dir_of=model_dir_of, want_weights=want_weights,
         want_native=lambda cap: bool(cap.config.weights.native) and block.capsule.pull_native and block.weights in ("auto", "native"),
-        native_optional=True, progress=Progress(),
+        native_optional=True, progress=Progress(), trust=block.capsule.trust,
     )  # fmt: skip
     _say("pulled %s from %s" % (capsule.ref, ref))
     if got.weight_files:
