@@ -4,7 +4,6 @@ skopeo and checked here, and a trust policy that refuses at pull and at restore 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -205,15 +204,25 @@ def test_a_signature_skopeo_makes_is_verified_here_and_the_cli_pull_refuses_anot
     c, ref = client_for("%s/capsules/tiny:v1" % registry.host)
     publish(store, "tiny", ref, c)
     tool = Skopeo(skopeo, registry.host, tmp_path / "skopeo")
+    made = tool.run("generate-sigstore-key", "--output-prefix", str(tmp_path / "skopeo-key"), "--passphrase-file", str(pw))
+    assert made.returncode == 0, made.stderr
+    skopeo_key, skopeo_pub = tmp_path / "skopeo-key.private", tmp_path / "skopeo-key.pub"
     copied = "%s/capsules/by-skopeo:v1" % registry.host
-    signed = tool.copy_signed(str(ref), copied, key_path, pw)
+    signed = tool.copy_signed(str(ref), copied, skopeo_key, pw)
     assert signed.returncode == 0, signed.stderr
     c2, ref2 = client_for(copied)
     [sig] = signatures.remote_signatures(c2, cap.digest)
-    assert sig.identity == copied and sig.digest == cap.digest and sig.verifies_with(signing_keys.load_public_key(pub))
-    got = pull(c2, ref2, CapsuleStore(tmp_path / "pulled").init(), trust=TrustPolicy(keys=(str(pub),)))
+    assert sig.identity == copied and sig.digest == cap.digest and sig.verifies_with(signing_keys.load_public_key(skopeo_pub))
+    got = pull(c2, ref2, CapsuleStore(tmp_path / "pulled").init(), trust=TrustPolicy(keys=(str(skopeo_pub),)))
     assert got.capsule.digest == cap.digest
     bad = CliRunner().invoke(coldsnap_group, ["pull", copied, "--store", str(tmp_path / "refused"), "--plain-http", "--trust-key", str(other_pub)])
     line = one_error_line(bad.exit_code, bad.output)
     assert bad.exit_code == 3 and "pull refused: capsule %s" % copied in line and str(other_pub) in line and "signed by another key" in line
-    assert not Path(tmp_path / "refused" / "index.json").exists() or CapsuleStore(tmp_path / "refused").entries() == []
+    assert not (tmp_path / "refused" / "index.json").exists() or CapsuleStore(tmp_path / "refused").entries() == []
+    # Each reads the other's private keys: skopeo signs with one `keygen` wrote, and this signs with skopeo's.
+    again = "%s/capsules/by-skopeo-with-keygen:v1" % registry.host
+    assert tool.copy_signed(str(ref), again, key_path, pw).returncode == 0
+    c3, _ = client_for(again)
+    assert [s.verifies_with(signing_keys.load_public_key(pub)) for s in signatures.remote_signatures(c3, cap.digest)] == [True]
+    ours = signatures.sign(signing_keys.load_private_key(skopeo_key, PASSPHRASE), copied, cap.digest)
+    assert ours.verifies_with(signing_keys.load_public_key(skopeo_pub))
