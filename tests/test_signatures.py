@@ -26,7 +26,7 @@ from sparkrun_coldsnap.documents.recipe_block import parse_block
 from sparkrun_coldsnap.documents.request import CapsuleRef, RestoreRequest, ValidationSpec
 from sparkrun_coldsnap.documents.trust import TrustPolicy
 from sparkrun_coldsnap.errors import CompatibilityError, RequestError
-from sparkrun_coldsnap.integration.strategy import fetch_capsule
+from sparkrun_coldsnap.integration.strategy import describe_plan, fetch_capsule
 
 PASSPHRASE = b"correct horse"
 
@@ -226,3 +226,12 @@ def test_a_signature_skopeo_makes_is_verified_here_and_the_cli_pull_refuses_anot
     assert [s.verifies_with(signing_keys.load_public_key(pub)) for s in signatures.remote_signatures(c3, cap.digest)] == [True]
     ours = signatures.sign(signing_keys.load_private_key(skopeo_key, PASSPHRASE), copied, cap.digest)
     assert ours.verifies_with(signing_keys.load_public_key(skopeo_pub))
+
+
+def test_a_dry_run_names_the_signature_it_would_refuse(criu, keys, tmp_path):
+    (_, pub), _, _ = keys
+    store = CapsuleStore(tmp_path / "store").init()
+    make_capsule(store, tmp_path, "tiny", pages_mb=1)
+    view = describe_plan(restore_request("tiny", TrustPolicy(keys=(str(pub),))), store)
+    assert "refuse capsule tiny:latest" in view.text and "is not signed, and the trust policy requires a signature by %s" % pub in view.text
+    assert isinstance(view.error, CompatibilityError)

@@ -492,6 +492,11 @@ def describe_plan(req: RestoreRequest, store: CapsuleStore, repository: str | No
     try:
         cap = open_capsule(store, req.capsule.ref)
         problems, choice = api.admission(cap, req)
+        if req.trust is not None:  # as the restore's own opening of the capsule checks it
+            from sparkrun_coldsnap.capsule import signatures
+
+            untrusted = signatures.refusal(req.capsule.ref, cap.digest, signatures.local_signatures(store, cap.digest), req.trust)
+            problems = [untrusted, *problems] if untrusted else problems
         head = "restore capsule %s (%s) from %s" % (req.capsule.ref, cap.digest[:19], store.root)
         if problems:
             what = "refuse capsule %s (%s) at admission: %s; then %s" % (req.capsule.ref, cap.digest[:19], "; ".join(problems), instead)
