@@ -23,6 +23,10 @@ if ! command -v iptables >/dev/null 2>&1; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get install -y -q --no-upgrade iptables >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q --no-upgrade iptables >/dev/null; }
 fi
+# skopeo with sigstore signing and verification for the signature tests: Debian 13's package
+# (Debian 12's skopeo has sigstore switched off; scripts/install_skopeo.sh says how it is had there).
+COLDSNAP_TEST_SKOPEO="$(bash scripts/install_skopeo.sh)"
+export COLDSNAP_TEST_SKOPEO
 # An sshd for the two-host tests (each network namespace runs its own).
 bash scripts/test-sshd.sh >/dev/null
 export SPARKRUN_NO_TELEMETRY=1 HF_HUB_OFFLINE=1

@@ -156,6 +156,17 @@ def oci_registry() -> str:
 
 
 @pytest.fixture(scope="session")
+def skopeo() -> str:
+    """skopeo that signs and checks sigstore signatures (scripts/install_skopeo.sh provides it)."""
+    from skopeo_fixtures import locate
+
+    found = locate()
+    if found is None:
+        pytest.fail("no skopeo with sigstore signatures: run `bash scripts/test.sh` (scripts/install_skopeo.sh provides Debian 13's skopeo)")
+    return found
+
+
+@pytest.fixture(scope="session")
 def docker_daemon() -> str | None:
     """The docker client; each docker test checks for the daemon and its images itself."""
     return shutil.which("docker")

@@ -44,6 +44,7 @@ class Part:
 PARTS = (
     Part("criu", "system", "real CRIU", frozenset({"criu"})),
     Part("oci_registry", "system", "the real OCI registry", frozenset({"docker-registry"})),
+    Part("skopeo", "system", "skopeo with sigstore signatures", frozenset({"skopeo"})),
     Part("docker_daemon", "full", "docker", frozenset({"docker", "dockerd"})),
     Part("sparkrun", "full", "sparkrun's CLI as a subprocess", frozenset({"sparkrun"})),
     Part("two_hosts", "full", "the two namespaced hosts", frozenset({"ip", "sshd", "ssh"})),

@@ -27,9 +27,9 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sparkrun_coldsnap.capsule import media
+from sparkrun_coldsnap.capsule import media, signatures
 from sparkrun_coldsnap.capsule.capsule import Capsule, open_capsule, parse_config, parse_manifest
 from sparkrun_coldsnap.capsule.reference import Reference
 from sparkrun_coldsnap.capsule.registry import DEFAULT_CHUNK, RegistryClient
@@ -37,9 +37,13 @@ from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor, capsule_re
 from sparkrun_coldsnap.digests import canonical_json, sha256_bytes, short
 from sparkrun_coldsnap.documents.capsule_config import ModelFile, NativePayload, WeightsRecord
 from sparkrun_coldsnap.documents.capsule_ref import CapsuleRef
-from sparkrun_coldsnap.errors import ColdsnapError, IntegrityError, RequestError, StoreError
+from sparkrun_coldsnap.documents.trust import TrustPolicy
+from sparkrun_coldsnap.errors import ColdsnapError, CompatibilityError, IntegrityError, RequestError, StoreError
 from sparkrun_coldsnap.progress import QUIET, Progress
 from sparkrun_coldsnap.weights import model_files, native_payload, packed_payload
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric import ec
 
 A_WEIGHTS_ARTIFACT = media.PREFIX + ".weights-artifact"
 
@@ -52,6 +56,8 @@ class PublishResult:
     blobs_present: int
     weights: str | None = None
     native: str | None = None
+    #: the tag the capsule's signature was attached under, when it was signed.
+    signature: str | None = None
 
 
 def weights_tag(revision: str) -> str:
@@ -139,10 +145,11 @@ def push_native(client: RegistryClient, record: NativePayload, subject: dict[str
 
 def publish(
     store: CapsuleStore, capsule_ref: str, target: Reference, client: RegistryClient, *, model_dir: Path | None = None, with_native: bool = False,
-    chunk: int = DEFAULT_CHUNK, progress: Progress = QUIET, allow_secrets: bool = False,
+    chunk: int = DEFAULT_CHUNK, progress: Progress = QUIET, allow_secrets: bool = False, sign_with: ec.EllipticCurvePrivateKey | None = None,
 ) -> PublishResult:  # fmt: skip
     """Push a local capsule (given *model_dir*, its weights as its subject; *with_native*, its native payload as a referrer) to *target*.
-    A capsule whose memory holds credentials is refused unless *allow_secrets*: whoever can pull it can read them."""
+    A capsule whose memory holds credentials is refused unless *allow_secrets*: whoever can pull it can read them.
+    With *sign_with*, the published manifest is signed as *target* and the signature attached (and kept locally)."""
     cap = open_capsule(store, capsule_ref)
     if cap.config.credentials and not allow_secrets:
         raise RequestError("capsule %s holds credentials in its memory (%s): publishing hands them to whoever can pull it; capture it without them, or pass --allow-secrets" % (capsule_ref, ", ".join(cap.config.credentials)))
@@ -175,7 +182,12 @@ def publish(
     if native is not None:
         capsule_subject: dict[str, Any] = {"mediaType": media.OCI_MANIFEST, "digest": digest, "size": len(manifest_bytes)}
         native_digest = push_native(client, native, capsule_subject, staging=staging, chunk=chunk, progress=progress)
-    return PublishResult(str(target.with_tag(tag)), digest, pushed, present, weights_digest, native_digest)
+    signature_tag = None
+    if sign_with is not None:
+        sig = signatures.sign(sign_with, str(target.with_tag(tag)), digest)
+        signature_tag = signatures.push_signature(client, digest, sig)
+        signatures.keep(store, digest, [sig])
+    return PublishResult(str(target.with_tag(tag)), digest, pushed, present, weights_digest, native_digest, signature_tag)
 
 
 def _fetch(client: RegistryClient, store: CapsuleStore, d: Descriptor, tick) -> Path | None:
@@ -197,8 +209,27 @@ class PullResult:
     blobs_present: int
 
 
-def pull(client: RegistryClient, ref: Reference, store: CapsuleStore, *, local_ref: str | None = None, progress: Progress = QUIET) -> PullResult:
-    """Pull the capsule at *ref* into *store*; tag it *local_ref* (default: its name:tag)."""
+def admit_signatures(client: RegistryClient, ref: Reference, digest: str, trust: TrustPolicy | None) -> list[signatures.Signature]:
+    """The signatures attached to manifest *digest*, refused (before anything is fetched) where *trust* refuses them.
+    Without a policy they are only kept: a restore under one checks them later."""
+    try:
+        found = signatures.remote_signatures(client, digest)
+    except ColdsnapError:
+        if trust is not None:
+            raise
+        return []
+    if trust is not None:
+        why = signatures.refusal(str(ref), digest, found, trust, repository="%s/%s" % (ref.registry, ref.repository))
+        if why:
+            raise CompatibilityError("pull refused: %s" % why, code="admission.untrusted")
+    return found
+
+
+def pull(
+    client: RegistryClient, ref: Reference, store: CapsuleStore, *, local_ref: str | None = None, progress: Progress = QUIET, trust: TrustPolicy | None = None,
+) -> PullResult:  # fmt: skip
+    """Pull the capsule at *ref* into *store*; tag it *local_ref* (default: its name:tag).
+    Under *trust*, a capsule without a signature the policy accepts is refused before its blobs are fetched."""
     local = capsule_ref(local_ref) if local_ref else None  # refused before anything is fetched
     data, media_type, digest = client.get_manifest(ref.reference)
     if media_type and media_type not in (media.OCI_MANIFEST,):
@@ -209,6 +240,7 @@ def pull(client: RegistryClient, ref: Reference, store: CapsuleStore, *, local_r
         raise IntegrityError("%s: the registry sent a manifest that is not JSON" % ref) from err
     desc = Descriptor(media.OCI_MANIFEST, digest, len(data), artifact_type=media.ARTIFACT_TYPE)
     parse_manifest(desc, doc)
+    sigs = admit_signatures(client, ref, digest, trust)
     store.init()
     config_desc = Descriptor.from_json(doc["config"])
     layers = [Descriptor.from_json(d) for d in doc.get("layers") or []]
@@ -222,6 +254,8 @@ def pull(client: RegistryClient, ref: Reference, store: CapsuleStore, *, local_r
             got = _fetch(client, store, d, tick)
             files += [(got, d.digest, d.size)] if got is not None else []
     target = local or CapsuleRef.of(config.name, ref.tag or config.tag, what="the capsule %s names itself" % ref, fix="pull it with a local name (NAME[:TAG])")
+    # Kept before the tag: a signature of a digest the store lacks is inert.
+    signatures.keep(store, digest, sigs)
     # Blobs and tag in one step under the store lock: until then the pull is invisible.
     store.commit(target, Descriptor(media.OCI_MANIFEST, digest, len(data), artifact_type=media.ARTIFACT_TYPE), files=files, documents=[data])
     return PullResult(open_capsule(store, target.ref), len(files), len(layers) + 1 - len(files))
@@ -305,10 +339,11 @@ class CompanionPull:
 def pull_with_companions(
     client: RegistryClient, ref: Reference, store: CapsuleStore, *, local_ref: str | None, model_dir_of: Callable[[Capsule], Path],
     want_weights: Callable[[Capsule], bool], want_native: Callable[[Capsule], bool], native_optional: bool = False, progress: Progress = QUIET,
+    trust: TrustPolicy | None = None,
 ) -> CompanionPull:  # fmt: skip
     """The one pull sequence: the capsule, then (as *want_weights* / *want_native* decide for
     the capsule that arrived) its model files into *model_dir_of(capsule)* and its native payload."""
-    out = CompanionPull(pull(client, ref, store, local_ref=local_ref, progress=progress))
+    out = CompanionPull(pull(client, ref, store, local_ref=local_ref, progress=progress, trust=trust))
     cap = out.result.capsule
     if want_weights(cap):
         out.weight_files = pull_weights(client, cap, model_dir_of(cap), progress=progress)

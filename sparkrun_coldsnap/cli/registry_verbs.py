@@ -42,8 +42,10 @@ def model_dir_of(cap) -> Path:
 @click.option("--with-weights", is_flag=True, help="Also push the model files as a weights artifact, linked as the capsule's subject.")
 @click.option("--with-native", is_flag=True, help="Also push the capsule's native weight payload from this host, as an artifact referring to the capsule.")
 @click.option("--allow-secrets", is_flag=True, help="Publish a capsule whose memory holds credentials (inspect names them): whoever can pull it can read them.")
+@click.option("--sign", "sign_key", type=click.Path(exists=True, dir_okay=False), default=None, help="Sign the published manifest with this private key (cosign/sigstore or PEM ECDSA), as skopeo and cosign attach signatures.")
+@click.option("--passphrase-file", type=click.Path(exists=True, dir_okay=False), default=None, help="File whose first line is the --sign key's passphrase.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was pushed as JSON.")
-def publish(capsule, repository, store, plain_http, ca_file, chunk_size, with_weights, with_native, allow_secrets, as_json):
+def publish(capsule, repository, store, plain_http, ca_file, chunk_size, with_weights, with_native, allow_secrets, sign_key, passphrase_file, as_json):
     """Push CAPSULE (name[:tag] or digest) from the local store to REPOSITORY[:TAG] of an OCI registry.
 
     Credentials come from the usual Docker/OCI credential files (docker login)
@@ -58,7 +60,15 @@ def publish(capsule, repository, store, plain_http, ca_file, chunk_size, with_we
     ref = parse(repository, default_tag=None)
     cap = capsule_mod.open_capsule(s, capsule)
     model_dir = model_dir_of(cap) if with_weights else None
-    result = do_publish(s, capsule, ref, client_for(ref, plain_http, ca_file), model_dir=model_dir, with_native=with_native, chunk=chunk_size, progress=Progress(quiet=as_json), allow_secrets=allow_secrets)
+    key = None
+    if sign_key:  # opened before anything is pushed: a wrong passphrase stops the publish here
+        from sparkrun_coldsnap.capsule.signing_keys import load_private_key, read_passphrase
+
+        key = load_private_key(sign_key, read_passphrase(passphrase_file))
+    result = do_publish(
+        s, capsule, ref, client_for(ref, plain_http, ca_file), model_dir=model_dir, with_native=with_native, chunk=chunk_size, progress=Progress(quiet=as_json),
+        allow_secrets=allow_secrets, sign_with=key,
+    )  # fmt: skip
     if as_json:
         emit_json(result.__dict__)
         return
@@ -67,6 +77,8 @@ def publish(capsule, repository, store, plain_http, ca_file, chunk_size, with_we
         click.echo("  weights artifact %s is its subject" % short(result.weights))
     if result.native:
         click.echo("  native weight payload %s refers to it" % short(result.native))
+    if result.signature:
+        click.echo("  signed: %s" % result.signature)
 
 
 @click.command("pull")
@@ -76,18 +88,22 @@ def publish(capsule, repository, store, plain_http, ca_file, chunk_size, with_we
 @click.option("--as", "local_ref", default=None, help="Local name[:tag] (default: the capsule's own name and the reference's tag).")
 @click.option("--with-weights", is_flag=True, help="Also fetch the model files from the capsule's weights artifact.")
 @click.option("--with-native", is_flag=True, help="Also fetch the capsule's native weight payload, for the native weight path.")
+@click.option("--trust-key", "trust_keys", multiple=True, type=click.Path(exists=True, dir_okay=False), help="Require a signature by this PEM public key (repeatable: any of them); refused before anything is fetched.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was pulled as JSON.")
-def pull(reference, store, plain_http, ca_file, local_ref, with_weights, with_native, as_json):
-    """Pull a capsule from an OCI registry into the local store (REGISTRY/REPO[:TAG|@DIGEST])."""
+def pull(reference, store, plain_http, ca_file, local_ref, with_weights, with_native, trust_keys, as_json):
+    """Pull a capsule from an OCI registry into the local store (REGISTRY/REPO[:TAG|@DIGEST]).
+    Its signatures come with it (a restore under a trust policy checks them)."""
     from sparkrun_coldsnap.capsule.reference import parse
     from sparkrun_coldsnap.capsule.transfer import pull_with_companions
+    from sparkrun_coldsnap.documents.trust import TrustPolicy
     from sparkrun_coldsnap.progress import Progress
 
     s = open_store(store)
     ref = parse(reference)
+    trust = TrustPolicy(keys=tuple(trust_keys)) if trust_keys else None
     got = pull_with_companions(
         client_for(ref, plain_http, ca_file), ref, s, local_ref=local_ref, model_dir_of=model_dir_of,
-        want_weights=lambda cap: with_weights, want_native=lambda cap: with_native, progress=Progress(quiet=as_json),
+        want_weights=lambda cap: with_weights, want_native=lambda cap: with_native, progress=Progress(quiet=as_json), trust=trust,
     )  # fmt: skip
     result, fetched, native = got.result, got.weight_files, got.native_files
     cap = result.capsule

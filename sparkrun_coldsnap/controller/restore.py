@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Protocol
 
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
+from sparkrun_coldsnap.capsule import signatures
 from sparkrun_coldsnap.capsule.capsule import Capsule
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.controller import oracle
@@ -138,6 +139,11 @@ def open_trusted(req: RestoreRequest, store: CapsuleStore, rb: ReceiptBuilder) -
         store.check_trusted()
         cap = capsule_mod.open_capsule(store, req.capsule.ref)
         rb.capsule = cap.digest
+        if req.trust is not None:
+            # Before admission and staging, so before the replaced workload is touched.
+            why = signatures.refusal(req.capsule.ref, cap.digest, signatures.local_signatures(store, cap.digest), req.trust)
+            if why:
+                raise CompatibilityError("admission refused: %s" % why, code="admission.untrusted")
     return cap
 
 

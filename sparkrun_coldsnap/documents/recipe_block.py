@@ -14,6 +14,7 @@ from pydantic import ValidationError as PydanticValidationError
 from sparkrun_coldsnap.documents.capsule_ref import DEFAULT_TAG, CapsuleNameField, CapsuleRef, TagField
 from sparkrun_coldsnap.documents.strict import Strict, allowed_keys, one_line
 from sparkrun_coldsnap.documents.tokens import DEFAULT_LOGPROB_TOLERANCE
+from sparkrun_coldsnap.documents.trust import TrustPolicy
 from sparkrun_coldsnap.documents.values import Ident, Label, PathName, PathText
 from sparkrun_coldsnap.errors import RequestError
 
@@ -29,6 +30,7 @@ class CapsuleSettings(Strict):
     ca_file: PathText | None = Field(None, description="CA certificate bundle to verify the registry's TLS certificate with.")
     pull_weights: bool = Field(True, description="Fetch the model files from the capsule's weights artifact when they are missing here.")
     pull_native: bool = Field(True, description="Fetch the capsule's native weight payload, when it was published, with the capsule (weights: auto or native).")
+    trust: TrustPolicy | None = Field(None, description="Signatures a capsule must carry to be pulled or restored: keys (PEM public keys) and require.")
 
     def ref(self, default_name: str) -> CapsuleRef:
         """The capsule this block names: its name, else *default_name*, and its tag."""

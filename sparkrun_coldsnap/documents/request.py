@@ -17,6 +17,7 @@ from sparkrun_coldsnap.digests import canonical_json, sha256_bytes
 from sparkrun_coldsnap.documents.capsule_ref import CapsuleRef
 from sparkrun_coldsnap.documents.strict import Strict
 from sparkrun_coldsnap.documents.tokens import DEFAULT_LOGPROB_TOLERANCE
+from sparkrun_coldsnap.documents.trust import TrustPolicy
 from sparkrun_coldsnap.documents.values import AbsolutePath, CommandText, Device, EnvName, EnvValue, HostName, Ident, Label, PathName, Size, VolumePath, shown
 
 REQUEST_FORMAT: Literal[1] = 1
@@ -162,6 +163,16 @@ class RestoreRequest(_WorkloadRequest):
     recapture: bool = Field(False, description="After a vanilla start instead of a restore, capture again and serve from the new capsule.")
     workload_name: PathName = Field(description="Name sparkrun tracks the running workload by (its executor's record name).")
     workload_labels: dict[Label, Label] = Field(default_factory=dict, description="Container labels sparkrun's executor gives its workloads.")
+    trust: TrustPolicy | None = Field(None, description="Signatures the capsule must carry (coldsnap.capsule.trust); checked before anything is stopped.")
+
+    # No return annotation: the JSON Schema stays the fields' own. Without a policy the field is
+    # left out, so a document (and its digest) made before it existed stays the same.
+    @model_serializer(mode="wrap")
+    def _without_unset_trust(self, handler: SerializerFunctionWrapHandler):
+        out = handler(self)
+        if out.get("trust") is None:
+            out.pop("trust", None)
+        return out
 
 
 def request_digest(request: _WorkloadRequest) -> str:

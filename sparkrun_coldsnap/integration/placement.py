@@ -274,4 +274,5 @@ def restore_request(actx: Any, block: ColdsnapBlock | None = None) -> RestoreReq
         workload_name=workload_name(actx),
         workload_labels=workload_labels(actx),
         ready_timeout_seconds=block.ready_timeout_seconds,
+        trust=block.capsule.trust,
     )

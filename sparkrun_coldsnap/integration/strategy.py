@@ -496,7 +496,7 @@ def fetch_capsule(block: ColdsnapBlock, capsule: CapsuleRef, store: CapsuleStore
     got = transfer.pull_with_companions(
         RegistryClient(ref, transport), ref, store, local_ref=capsule.ref, model_dir_of=model_dir_of, want_weights=want_weights,
         want_native=lambda cap: bool(cap.config.weights.native) and block.capsule.pull_native and block.weights in ("auto", "native"),
-        native_optional=True, progress=Progress(),
+        native_optional=True, progress=Progress(), trust=block.capsule.trust,
     )  # fmt: skip
     _say("pulled %s from %s" % (capsule.ref, ref))
     if got.weight_files:
@@ -528,6 +528,11 @@ def describe_plan(req: RestoreRequest, store: CapsuleStore, repository: str | No
     try:
         cap = open_capsule(store, req.capsule.ref)
         problems, choice = api.admission(cap, req)
+        if req.trust is not None:  # as the restore's own opening of the capsule checks it
+            from sparkrun_coldsnap.capsule import signatures
+
+            untrusted = signatures.refusal(req.capsule.ref, cap.digest, signatures.local_signatures(store, cap.digest), req.trust)
+            problems = [untrusted, *problems] if untrusted else problems
         head = "restore capsule %s (%s) from %s" % (req.capsule.ref, cap.digest[:19], store.root)
         if problems:
             what = "refuse capsule %s (%s) at admission: %s; then %s" % (req.capsule.ref, cap.digest[:19], "; ".join(problems), instead)

@@ -48,7 +48,9 @@ def before_prepare(req: RestoreRequest, store: CapsuleStore, settings: Settings,
         m = move("activate", rec.state, workload=name)
         if rec.transition is None:  # ``wake`` records its own
             rec = records.save(rec.model_copy(update={"transition": Transition(verb="activate", source=m.source, target=m.target, pid=os.getpid(), started_at=now_iso())}))
-        req = req.model_copy(update={"capsule": req.capsule.with_tag(CapsuleRef.parse(ref).tag)})
+        # The hibernation capsule is this host's own capture of the workload, not one from elsewhere:
+        # the recipe's trust policy (capsule.trust) is for capsules pulled or copied in.
+        req = req.model_copy(update={"trust": None, "capsule": req.capsule.with_tag(CapsuleRef.parse(ref).tag)})
         if rec.state == "warm" and rec.warm is not None and not warm.expired(rec.warm):
             try:
                 prepared = warm.claim(rec.warm, req, store=store, settings=settings, workload=rec.workload)

@@ -312,7 +312,9 @@ def prepare_warm(
         if not rec.capsule_ref:
             raise RequestError("workload %s has no capsule to warm from: hibernate it first" % rec.workload)
         req = placement.restore_request(_plan(rec))
-        req = req.model_copy(update={"capsule": req.capsule.with_tag(CapsuleRef.parse(rec.capsule_ref).tag)})
+        # The hibernation capsule is this host's own capture of the workload, not one from elsewhere:
+        # the recipe's trust policy (capsule.trust) is for capsules pulled or copied in.
+        req = req.model_copy(update={"trust": None, "capsule": req.capsule.with_tag(CapsuleRef.parse(rec.capsule_ref).tag)})
         try:
             kept, receipt = warm.prepare_ahead(req, workload=rec.workload, store=store_of(rec), keep_seconds=keep_seconds, progress=progress, images_only=images_only)
         except ColdsnapError as err:
