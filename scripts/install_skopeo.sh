@@ -18,6 +18,13 @@ if [ "${VERSION_CODENAME:-}" != "bookworm" ]; then
   command -v skopeo
   exit 0
 fi
+# The libraries release 13's skopeo links besides the C library keep their sonames in
+# release 12: this host's own packages of them.
+need=(libgpgme11 libassuan0 libgpg-error0 libsqlite3-0)
+if ! dpkg-query -W -f='${Status}\n' "${need[@]}" 2>/dev/null | grep -c "install ok installed" | grep -qx "${#need[@]}"; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q --no-upgrade "${need[@]}" >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q --no-upgrade "${need[@]}" >/dev/null; }
+fi
 dest="${XDG_DATA_HOME:-$HOME/.local/share}/sparkrun-coldsnap/skopeo"
 if [ ! -x "$dest/bin/skopeo" ]; then
   work="$(mktemp -d)"
