@@ -23,6 +23,11 @@ if ! command -v iptables >/dev/null 2>&1; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get install -y -q --no-upgrade iptables >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q --no-upgrade iptables >/dev/null; }
 fi
+# qemu's user mode, which runs the arm64 CRIU the installer unpacks (tests/test_criu_install.py).
+if ! command -v qemu-aarch64 >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q --no-upgrade qemu-user >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q --no-upgrade qemu-user >/dev/null; }
+fi
 # An sshd for the two-host tests (each network namespace runs its own).
 bash scripts/test-sshd.sh >/dev/null
 export SPARKRUN_NO_TELEMETRY=1 HF_HUB_OFFLINE=1
