@@ -55,9 +55,13 @@ def test_the_arm64_private_install_holds_only_aarch64_programs_and_its_criu_runs
     before = apt_state()
     prefix = tmp_path / "home" / "criu"
     lines: list[str] = []
-    version = criu_install.install(prefix, arch="arm64", log=lines.append)
+    said = criu_install.ensure(prefix, arch="arm64", log=lines.append)
 
+    version = said.split()[1]
     assert criu_tool.parse_version("Version: %s" % version)[:2] >= criu_tool.MIN_VERSION
+    assert said.startswith("criu %s ready: Debian's arm64 packages unpacked into %s (" % (version, prefix)) and "\n" not in said
+    if criu_install.deb_arch() == "amd64":  # CI's machine: the arm64 packages are another architecture's
+        assert said.endswith("(for arm64, not this amd64 host: the distribution's criu does not apply)")
     debs = sorted((tmp_path / "home" / "criu-debs" / "arm64").glob("*.deb"))
     assert len(debs) == len(criu_install.FROM_SID) + len(criu_install.FROM_TRIXIE)
     assert all(d.name.endswith(("_arm64.deb", "_all.deb")) for d in debs), [d.name for d in debs]
@@ -92,7 +96,7 @@ def test_an_ubuntu_host_is_told_how_to_name_a_debian_archive_and_a_debian_host_u
     ubuntu = tmp_path / "ubuntu"
     (ubuntu / "sources.list.d").mkdir(parents=True)
     (ubuntu / "sources.list.d" / "ubuntu.sources").write_text(UBUNTU_SOURCES)
-    with pytest.raises(ToolError, match="no Debian mirror .* pass --criu-mirror URL of a Debian archive, or --criu-debs DIR"):
+    with pytest.raises(ToolError, match="no Debian mirror in the apt sources under %s .*: for CRIU pass --criu-mirror URL of a Debian archive, or --criu-debs DIR" % ubuntu):
         criu_install.debian_mirror(ubuntu)
     debian = tmp_path / "debian"
     (debian / "sources.list.d").mkdir(parents=True)

@@ -68,7 +68,7 @@ def debian_mirror(apt_dir: Path = Path("/etc/apt")) -> str:
             parts = line.split()
             if len(parts) >= 3 and parts[0] == "deb" and "debian" in parts[1] and "security" not in parts[1]:
                 return parts[1].rstrip("/")
-    raise ToolError("no Debian mirror in /etc/apt sources (an Ubuntu or DGX OS host names none): pass --criu-mirror URL of a Debian archive, or --criu-debs DIR with the .deb files")
+    raise ToolError("no Debian mirror in the apt sources under %s (an Ubuntu or DGX OS host names none): for CRIU pass --criu-mirror URL of a Debian archive, or --criu-debs DIR with the .deb files" % apt_dir)
 
 
 def download_debs(dest: Path, *, arch: str | None = None, mirror: str | None = None, log: Callable[[str], None] = print) -> list[Path]:
@@ -183,22 +183,27 @@ def install(prefix: Path, *, debs_dir: Path | None = None, arch: str | None = No
     return "%d.%d.%d" % v
 
 
-def ensure(prefix: Path, *, debs_dir: Path | None = None, mirror: str | None = None, log: Callable[[str], None] = print) -> str:
-    """Get a criu >= 4.2 here, the cheapest way this host allows; returns one line saying what was done.
+def ensure(prefix: Path, *, debs_dir: Path | None = None, arch: str | None = None, mirror: str | None = None, log: Callable[[str], None] = print) -> str:
+    """Get a criu >= 4.2 for Debian architecture *arch* (default: this machine's), the cheapest way
+    this host allows; returns one line saying what was done.
 
     Carried packages are unpacked as given; else the distribution's criu when its candidate is
-    >= 4.2; else Debian's packages of this machine's architecture into *prefix*.
+    >= 4.2 (for this machine's own architecture only); else Debian's packages into *prefix*.
     """
-    arch = deb_arch()
+    here = deb_arch()
+    arch = arch or here
     if debs_dir is not None:
         v = install(prefix, debs_dir=debs_dir, arch=arch, log=log)
         return "criu %s ready: the %s packages of %s unpacked into %s" % (v, arch, debs_dir, prefix)
-    candidate = distribution_candidate()
-    if distribution_suffices(candidate):
-        debian_packages.install(["criu"], log)
-        found = criu_tool.Criu.locate()
-        return "criu %s ready: the distribution's package (%s, %s) installed at %s" % (found.version, candidate, arch, found.candidate.path)
-    why = "the distribution offers criu %s, older than 4.2" % candidate if candidate else "the distribution offers no criu package"
+    if arch == here:
+        candidate = distribution_candidate()
+        if distribution_suffices(candidate):
+            debian_packages.install(["criu"], log)
+            found = criu_tool.Criu.locate()
+            return "criu %s ready: the distribution's package (%s, %s) installed at %s" % (found.version, candidate, arch, found.candidate.path)
+        why = "the distribution offers criu %s, older than 4.2" % candidate if candidate else "the distribution offers no criu package"
+    else:
+        why = "for %s, not this %s host: the distribution's criu does not apply" % (arch, here)
     log("installing CRIU 4.2 (Debian's %s packages) into %s: %s" % (arch, prefix, why))
     v = install(prefix, arch=arch, mirror=mirror, log=log)
     return "criu %s ready: Debian's %s packages unpacked into %s (%s)" % (v, arch, prefix, why)
