@@ -27,6 +27,11 @@ fi
 # (Debian 12's skopeo has sigstore switched off; scripts/install_skopeo.sh says how it is had there).
 COLDSNAP_TEST_SKOPEO="$(bash scripts/install_skopeo.sh)"
 export COLDSNAP_TEST_SKOPEO
+# qemu's user mode, which runs the arm64 CRIU the installer unpacks (tests/test_criu_install.py).
+if ! command -v qemu-aarch64 >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q --no-upgrade qemu-user >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q --no-upgrade qemu-user >/dev/null; }
+fi
 # An sshd for the two-host tests (each network namespace runs its own).
 bash scripts/test-sshd.sh >/dev/null
 export SPARKRUN_NO_TELEMETRY=1 HF_HUB_OFFLINE=1

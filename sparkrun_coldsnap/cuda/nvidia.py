@@ -4,25 +4,18 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import platform
 from collections.abc import Iterable
 
 from sparkrun_coldsnap.errors import ToolError
+from sparkrun_coldsnap.host import gpu_platform
 from sparkrun_coldsnap.host.facts import HostFacts
 from sparkrun_coldsnap.host.runner import run
 
-# The process checkpoint API by platform (NVIDIA's release notes, and what was
-# measured: CUDA_ERROR_NOT_SUPPORTED on GB10 with 580; x86_64 580 worked).
-MIN_X86 = 570
-MIN_ARM = 595
+# The minimum driver branches by architecture live with the rest of the platform's facts.
+MIN_X86 = gpu_platform.MIN_X86
+MIN_ARM = gpu_platform.MIN_ARM
+driver_major = gpu_platform.driver_branch
 IPC_MIN = 610  # CUDA IPC handles (e.g. vLLM's custom all-reduce) survive only from here
-
-
-def driver_major(version: str | None) -> int | None:
-    try:
-        return int((version or "").split(".")[0])
-    except ValueError:
-        return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -36,16 +29,11 @@ def has_checkpoint_api() -> bool:
 
 
 def checkpoint_api_problem(host: HostFacts) -> str | None:
-    """Why the process checkpoint API cannot be used here, or None."""
-    if not host.gpu.gpus:
-        return "no NVIDIA GPU on this host"
-    major = driver_major(host.gpu.nvidia_driver)
-    arch = host.cpu_arch or platform.machine()
-    need = MIN_ARM if arch in ("aarch64", "arm64") else MIN_X86
-    if major is None:
-        return "unknown NVIDIA driver version"
-    if major < need:
-        return "driver %s on %s: the process checkpoint API needs >= %d here; use the n580 driver" % (host.gpu.nvidia_driver, arch, need)
+    """Why the process checkpoint API cannot be used here, or None (host/gpu_platform.py judges the
+    driver and chip; this adds whether the installed libcuda exports the API)."""
+    p = gpu_platform.reading(host)
+    if not p.checkpoint_api:
+        return p.checkpoint_reason
     if not has_checkpoint_api():
         return "libcuda.so.1 has no cuCheckpointProcess* functions: update the NVIDIA driver"
     return None

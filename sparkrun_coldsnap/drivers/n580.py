@@ -25,6 +25,7 @@ from sparkrun_coldsnap.drivers.base import Progress, RestoredUnit, Support
 from sparkrun_coldsnap.drivers.criu_driver import CriuDriver
 from sparkrun_coldsnap.errors import CaptureError, EngineError, RequestError, ToolError
 from sparkrun_coldsnap.hookspecs import hookimpl
+from sparkrun_coldsnap.host import gpu_platform
 from sparkrun_coldsnap.host.facts import HostFacts
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
 LAUNCHER = Path(__file__).with_name("template_launcher.py")
 READY = "coldsnap-template: ready"
-MIN_DRIVER = 580
+MIN_DRIVER = gpu_platform.TEMPLATE_MIN_BRANCH
 
 
 def template_command(command: str, *, module_for_script: dict[str, str], preload: tuple[str, ...]) -> str:

@@ -192,6 +192,7 @@ class N610Driver(CriuDriver):
             "qualified": "vLLM 0.26.0 on NVIDIA H200s, x86_64, driver 580.159.04, CUDA 13.0, one GPU per workload, custom all-reduce off, native and recovery weights; vLLM restored onto the other GPU of two H200s (docs/benchmarks.md)",
             "x86_64_without_cuda_ipc": "driver >= %d" % nvidia.MIN_X86,
             "aarch64": "driver >= %d" % nvidia.MIN_ARM,
+            "gb10": "not supported by driver 580 on GB10 (DGX Spark): the API answers CUDA_ERROR_NOT_SUPPORTED (801); a newer driver that supports it is not yet qualified: use n580",
             "cuda_ipc": "needs driver >= %d with processes started under the driver's checkpoint job file; unqualified: no such driver was available" % nvidia.IPC_MIN,
             "several_ranks": "tensor/pipeline parallel > 1 in one unit: ranks launched with NCCL over sockets, no shared device memory; ordering tested against a fake of the API, not run on two GPUs (docs/gpu-ranks.md)",
             "several_hosts": (

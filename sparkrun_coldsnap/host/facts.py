@@ -58,6 +58,10 @@ def cpu_features(cpuinfo: str | None = None) -> tuple[str, ...]:
     return ()
 
 
+#: what gpu_facts asks nvidia-smi, in this order
+QUERY_FIELDS = "name,compute_cap,memory.total,uuid,driver_version"
+
+
 class GpuFacts(Strict):
     nvidia_driver: str | None = None
     cuda_version: str | None = None
@@ -88,20 +92,27 @@ def gpu_facts() -> GpuFacts:
     if not smi:
         return GpuFacts()
     try:
-        q = run([smi, "--query-gpu=name,compute_cap,memory.total,uuid,driver_version", "--format=csv,noheader,nounits"], timeout=30, check=False)
+        q = run([smi, "--query-gpu=%s" % QUERY_FIELDS, "--format=csv,noheader,nounits"], timeout=30, check=False)
         head = run([smi], timeout=30, check=False)
     except Exception as err:  # noqa: BLE001 - a broken smi is reported, not fatal
         return GpuFacts(problem="nvidia-smi failed: %s" % err)
     if q.returncode != 0:
         return GpuFacts(problem="nvidia-smi failed: %s" % q.tail())
+    return parse_gpu_facts(q.stdout, head.stdout)
+
+
+def parse_gpu_facts(query: str, header: str) -> GpuFacts:
+    """GpuFacts from nvidia-smi's answers: *query* to ``--query-gpu=QUERY_FIELDS --format=csv,noheader,nounits``,
+    *header* its plain table (for the CUDA version). A field the GPU does not report (``[N/A]``,
+    e.g. GB10's memory, which is the host's) is None."""
     gpus, driver = [], None
-    for line in q.stdout.strip().splitlines():
+    for line in query.strip().splitlines():
         parts = [p.strip() for p in line.split(",")]
         if len(parts) < 5:
             continue
         name, cc, mem, uuid, driver = parts[:5]
         gpus.append(GpuInfo(name=name, compute_capability=cc, memory_mib=int(float(mem)) if mem.replace(".", "").isdigit() else None, uuid=uuid))
-    return GpuFacts(nvidia_driver=driver, cuda_version=_parse_cuda_version(head.stdout), gpus=tuple(gpus))
+    return GpuFacts(nvidia_driver=driver, cuda_version=_parse_cuda_version(header), gpus=tuple(gpus))
 
 
 @functools.lru_cache(maxsize=1)
