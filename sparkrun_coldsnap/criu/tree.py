@@ -118,7 +118,7 @@ def dump(
         for leftover in listing(dirs) - before:
             leftover.unlink(missing_ok=True)
         state = resume_after_failed_dump(pids, already_stopped=before_dump)
-        raise CheckpointFailed("criu dump of pid %d %s: %s; %s" % (root_pid, how_it_ended(done.returncode), log_tail(images / DUMP_LOG), state.describe()), tree_running=state.running)
+        raise CheckpointFailed("criu dump of pid %d %s: %s" % (root_pid, how_it_ended(done.returncode), log_tail(images / DUMP_LOG)), tree_running=state.running, state=state)
     remaps = sorted(listing(dirs) - before)
     saved = save_shared(images, [Path(p) for p in shared] + remaps, owner_gone=not leave_running)
     image = unit_image(criu, images, unit=unit, host=host, driver=driver, pids=pids, resource=resource, saved=saved, tcp=tcp, listening=listening)
@@ -153,9 +153,10 @@ def unit_image(
 class CheckpointFailed(CaptureError):
     """A dump that did not finish; says whether the tree it was dumping still runs."""
 
-    def __init__(self, message: str, *, tree_running: bool) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, tree_running: bool, state: TreeState | None = None) -> None:
+        super().__init__(message if state is None else "%s; %s" % (message, state.describe()))
         self.tree_running = tree_running
+        self.tree_state = None if state is None else state.describe()
 
 
 @dataclass(frozen=True)
