@@ -82,6 +82,14 @@ class CompatibilityError(ColdsnapError):
     exit_code = 3
 
 
+class ContradictoryCapsuleError(IntegrityError, CompatibilityError):
+    """A capsule's config records one fact twice (its engine, its model revision), differently: it
+    was altered after capture; refused as admission refuses a capsule (exit 3, a refused receipt)."""
+
+    code = "store.integrity"
+    exit_code = 3
+
+
 class CaptureError(ColdsnapError):
     """The running workload could not be captured."""
 

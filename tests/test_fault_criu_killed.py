@@ -134,7 +134,7 @@ def test_a_dump_failure_on_units_a_capture_stops_no_longer_calls_the_tree_runnin
     from sparkrun_coldsnap.criu.tree import TreeState
 
     rb = ReceiptBuilder("capture")
-    with pytest.raises(CaptureError) as caught, Attempt(rb, stop=lambda: [], told="every unit started has been stopped and nothing was published"):
+    with pytest.raises(CaptureError) as caught, Attempt(rb, stop=list, told="every unit started has been stopped and nothing was published"):
         raise CheckpointFailed("criu dump of pid 1 was ended by signal 9 (SIGKILL) before it finished: x", tree_running=True, state=TreeState(alive=2, total=2, resumed=1))
     assert caught.value.message == "criu dump of pid 1 was ended by signal 9 (SIGKILL) before it finished: x; every unit started has been stopped and nothing was published"
 
