@@ -261,6 +261,9 @@ def activate(
             out = activate_restore(prepared, log_path=log_path, progress=progress)
             return Activated(out, receipts, "recaptured")
     note("%s: starting the engine vanilla (capture it with `sparkrun coldsnap capture`)" % plan.vanilla_because)
+    unpinned = controller.unpinned_vanilla(req.workload)
+    if unpinned:  # the one capture refuses: a vanilla start would otherwise serve whatever refs/main names unsaid
+        note(unpinned)
     out = start_vanilla(req, log_path=log_path, settings=plan.settings, progress=progress, on_started=on_started, because=plan.vanilla_because)
     return Activated(out, receipts, "vanilla")
 

@@ -21,6 +21,16 @@ class ColdsnapError(Exception):
     exit_code = 1
     #: the failed (or refused) receipt of the operation that raised it, when there was one.
     receipt: Receipt | None = None
+    #: the message's closing words on what a process tree was left in ("the process tree is
+    #: still running"), which stop untrue once the operation stops that tree.
+    tree_state: str | None = None
+
+    def with_tree_stopped(self, stopped: str) -> str:
+        """The message once the tree it describes is stopped: *stopped* in place of the tree's state."""
+        head = self.message
+        if self.tree_state and head.endswith("; " + self.tree_state):
+            head = head[: -len(self.tree_state) - 2]
+        return "%s; %s" % (head, stopped)
 
     def __init__(self, message: str, *, code: str | None = None) -> None:
         super().__init__(message)
@@ -69,6 +79,14 @@ class CompatibilityError(ColdsnapError):
     """Admission refused: this host differs from the one that captured."""
 
     code = "admission.refused"
+    exit_code = 3
+
+
+class ContradictoryCapsuleError(IntegrityError, CompatibilityError):
+    """A capsule's config records one fact twice (its engine, its model revision), differently: it
+    was altered after capture; refused as admission refuses a capsule (exit 3, a refused receipt)."""
+
+    code = "store.integrity"
     exit_code = 3
 
 

@@ -115,3 +115,32 @@ def test_a_restore_killed_mid_way_leaves_no_process_and_a_retry_restores(criu, t
         assert wait_http("http://127.0.0.1:%d/state" % port).strip() == "2"
     finally:
         kill_tree(pid)
+
+
+def test_a_dump_that_left_the_tree_running_says_only_that_it_was_stopped_once_capture_stops_it():
+    from sparkrun_coldsnap.criu.tree import TreeState
+
+    rb = ReceiptBuilder("capture")
+    unit = FakeUnit()
+    with pytest.raises(CaptureError) as caught, Attempt(rb) as attempt:
+        attempt.running = unit  # type: ignore[assignment]
+        with rb.phase("checkpoint"):
+            raise CheckpointFailed("criu dump of pid 1 was ended by signal 9 (SIGKILL) before it finished: x", tree_running=True, state=TreeState(alive=3, total=3, resumed=0))
+    assert unit.stopped
+    assert caught.value.message == "criu dump of pid 1 was ended by signal 9 (SIGKILL) before it finished: x; the engine this capture started has been stopped"
+
+
+def test_a_dump_failure_on_units_a_capture_stops_no_longer_calls_the_tree_running():
+    from sparkrun_coldsnap.criu.tree import TreeState
+
+    rb = ReceiptBuilder("capture")
+    with pytest.raises(CaptureError) as caught, Attempt(rb, stop=list, told="every unit started has been stopped and nothing was published"):
+        raise CheckpointFailed("criu dump of pid 1 was ended by signal 9 (SIGKILL) before it finished: x", tree_running=True, state=TreeState(alive=2, total=2, resumed=1))
+    assert caught.value.message == "criu dump of pid 1 was ended by signal 9 (SIGKILL) before it finished: x; every unit started has been stopped and nothing was published"
+
+
+def test_a_dump_failure_nobody_stops_still_says_the_tree_runs():
+    from sparkrun_coldsnap.criu.tree import TreeState
+
+    err = CheckpointFailed("criu dump of pid 1 failed: x", tree_running=True, state=TreeState(alive=2, total=2, resumed=1))
+    assert err.message == "criu dump of pid 1 failed: x; the process tree is still running (1 resumed from a stop)"

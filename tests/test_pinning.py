@@ -119,3 +119,14 @@ def test_a_restore_refuses_a_pinned_snapshot_whose_files_changed_since_capture(t
     (pinned / "model.safetensors").write_bytes(os.urandom(1 << 16))  # other weights under the pinned name
     problems, _ = admission(cfg, req, cfg.fingerprint, CpuDriver(), VllmAdapter())
     assert len(problems) == 1 and str(pinned / "model.safetensors") in problems[0]
+
+
+def test_a_vanilla_start_of_a_command_capture_would_refuse_says_so(tmp_path):
+    from sparkrun_coldsnap import controller
+
+    pinned, _ = hf_cache(tmp_path)
+    base = "python -m vllm.entrypoints.openai.api_server --model test/model --port 8000"
+    said = controller.unpinned_vanilla(workload(base, pinned)) or ""
+    assert said.startswith("started as the recipe says, though a capture refuses it: the serve command does not pass model_revision"), said
+    assert "refs/main" in said and "add `--revision {model_revision}`" in said
+    assert controller.unpinned_vanilla(workload(base + " --revision " + REVISION, pinned)) is None

@@ -14,8 +14,8 @@ from sparkrun_coldsnap.capsule import media
 from sparkrun_coldsnap.capsule.pack import PackedLayer
 from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor, IndexEntry
 from sparkrun_coldsnap.digests import canonical_json, sha256_bytes, short
-from sparkrun_coldsnap.documents.capsule_config import CAPSULE_FORMAT, CapsuleConfig
-from sparkrun_coldsnap.errors import IntegrityError, StoreError
+from sparkrun_coldsnap.documents.capsule_config import CAPSULE_FORMAT, CapsuleConfig, RecordsDisagree
+from sparkrun_coldsnap.errors import ContradictoryCapsuleError, IntegrityError, StoreError
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,12 @@ def parse_config(digest: str, doc: dict[str, Any]) -> CapsuleConfig:
     try:
         return CapsuleConfig.model_validate(doc)
     except PydanticValidationError as err:
-        raise IntegrityError("capsule %s has an invalid config: %s" % (short(digest), err.errors()[0]["msg"])) from err
+        first = err.errors()[0]
+        # A check of the config's own raised this: its words, without pydantic's "Value error, ".
+        raised = first.get("ctx", {}).get("error")
+        if isinstance(raised, RecordsDisagree):
+            raise ContradictoryCapsuleError("capsule %s has an invalid config: %s" % (short(digest), raised)) from err
+        raise IntegrityError("capsule %s has an invalid config: %s" % (short(digest), raised if isinstance(raised, ValueError) else first["msg"])) from err
 
 
 def open_entry(store: CapsuleStore, entry: IndexEntry) -> Capsule:

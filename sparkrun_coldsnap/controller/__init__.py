@@ -7,6 +7,7 @@ started, drops what it staged) without hiding the first error. They are written 
 interfaces: an engine adapter, a snapshot driver, a launcher, the hosts' typed steps.
 """
 
+from sparkrun_coldsnap.controller.admit import unpinned_vanilla
 from sparkrun_coldsnap.controller.capture import CaptureOutcome, CaptureUnits, LiveWorkload, capture
 from sparkrun_coldsnap.controller.capture_here import HereCapture
 from sparkrun_coldsnap.controller.capture_hosts import HostsCapture
@@ -47,4 +48,5 @@ __all__ = [
     "start_vanilla",
     "unpack_capsule",
     "unpacked_size",
+    "unpinned_vanilla",
 ]

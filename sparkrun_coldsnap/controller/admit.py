@@ -28,6 +28,20 @@ def admit_snapshot(w: Workload, adapter: EngineAdapter, *, launches: bool = True
     return Path(w.model.path)
 
 
+def unpinned_vanilla(w: Workload) -> str | None:
+    """What a vanilla start of *w* should say of its serve command: capture refuses a command
+    that does not load exactly the pinned revision, a vanilla start runs it as written; None when
+    the command loads the pinned revision (or the engine is not one this plugin knows)."""
+    try:
+        adapter = extensions.registry().engine(w.engine)
+    except RequestError:
+        return None
+    problem = pinning.launch_problem(w, adapter)
+    if problem is None:
+        return None
+    return "started as the recipe says, though a capture refuses it: %s" % problem
+
+
 def admit_driver_here(r: Resolved) -> None:
     """The snapshot driver can capture on this host (its kernel, tools and devices)."""
     support = r.driver.support(host_facts())

@@ -89,7 +89,7 @@ class Attempt:
         if isinstance(err, ColdsnapError):
             told = self._told() if callable(self._told) else self._told
             if told:
-                err.args = ("%s; %s%s" % (err.message, told, " (%s)" % "; ".join(problems) if problems else ""),)
+                err.args = (err.with_tree_stopped("%s%s" % (told, " (%s)" % "; ".join(problems) if problems else "")),)
             elif problems:
                 err.args = (describe_cleanup_failure(err, ColdsnapError("; ".join(problems))),)
             if self.rb.secrets:  # the message is printed and logged too
@@ -105,7 +105,7 @@ class Attempt:
             # time, the engine this operation started is no longer running.
             self.rb.details["workload_state"] = "stopped"
             if isinstance(err, ColdsnapError):
-                err.args = ("%s; the engine this %s started has been stopped" % (err.message, self.rb.operation),)
+                err.args = (err.with_tree_stopped("the engine this %s started has been stopped" % self.rb.operation),)
         except Exception as stop_failed:  # noqa: BLE001 - reported beside the first error
             self.rb.details["workload_state"] = "unknown"
             err.args = (describe_cleanup_failure(err, stop_failed),)

@@ -86,8 +86,9 @@ def dump(criu: Criu, root_pid: int, init_pid: int, images: Path, *, unit: str, h
             leftover.unlink(missing_ok=True)
         state = criu_tree.resume_after_failed_dump(host_pids, already_stopped=before_dump)
         raise criu_tree.CheckpointFailed(
-            "criu dump of pid %d (in its own namespaces) %s: %s; %s" % (root_pid, how_it_ended(done.returncode), log_tail(images / criu_tree.DUMP_LOG), state.describe()),
+            "criu dump of pid %d (in its own namespaces) %s: %s" % (root_pid, how_it_ended(done.returncode), log_tail(images / criu_tree.DUMP_LOG)),
             tree_running=state.running,
+            state=state,
         )
     remaps = sorted(criu_tree.listing(dirs) - before)
     try:

@@ -37,7 +37,7 @@ from sparkrun_coldsnap.documents.driver_data import DriverData
 from sparkrun_coldsnap.documents.unit_image import SharedFile, UnitImage
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
 from sparkrun_coldsnap.host import connections, major_faults, paths, peer_lock, xstate_perm
-from sparkrun_coldsnap.host.process_tree import fd_targets, kill_tree, shared_memory_files, tree_pids, users_of
+from sparkrun_coldsnap.host.process_tree import fd_targets, kill_tree, remove_leaked_semaphores, shared_memory_files, tree_pids, users_of
 from sparkrun_coldsnap.host.runner import run
 from sparkrun_coldsnap.host.sparse import copy_sparse
 from sparkrun_coldsnap.progress import Report as Progress
@@ -99,6 +99,8 @@ def dump(
     *peers*: the tree holds connections to units on other hosts, dumped at the same cut."""
     images.mkdir(parents=True, exist_ok=True)
     pids = tuple(tree_pids(root_pid))
+    root = psutil.Process(root_pid)
+    born, uid = root.create_time(), root.uids().real
     shared = shared_memory_files(root_pid)
     tcp = tree_inspect.established_inside(root_pid)
     to_peers = peer_lock.to_other_hosts(connections.held_connections(pids)) if peers and tcp else []
@@ -118,9 +120,13 @@ def dump(
         for leftover in listing(dirs) - before:
             leftover.unlink(missing_ok=True)
         state = resume_after_failed_dump(pids, already_stopped=before_dump)
-        raise CheckpointFailed("criu dump of pid %d %s: %s; %s" % (root_pid, how_it_ended(done.returncode), log_tail(images / DUMP_LOG), state.describe()), tree_running=state.running)
+        raise CheckpointFailed("criu dump of pid %d %s: %s" % (root_pid, how_it_ended(done.returncode), log_tail(images / DUMP_LOG)), tree_running=state.running, state=state)
     remaps = sorted(listing(dirs) - before)
     saved = save_shared(images, [Path(p) for p in shared] + remaps, owner_gone=not leave_running)
+    if not leave_running:
+        # The tree's multiprocessing resource tracker died with it, before unlinking the
+        # semaphores it was left (those no process holds any more): each would stay in /dev/shm.
+        remove_leaked_semaphores(since=born, uid=uid)
     image = unit_image(criu, images, unit=unit, host=host, driver=driver, pids=pids, resource=resource, saved=saved, tcp=tcp, listening=listening)
     if not (peers and tcp):
         return image
@@ -153,9 +159,10 @@ def unit_image(
 class CheckpointFailed(CaptureError):
     """A dump that did not finish; says whether the tree it was dumping still runs."""
 
-    def __init__(self, message: str, *, tree_running: bool) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, tree_running: bool, state: TreeState | None = None) -> None:
+        super().__init__(message if state is None else "%s; %s" % (message, state.describe()))
         self.tree_running = tree_running
+        self.tree_state = None if state is None else state.describe()
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,10 @@ class EngineRecord(Strict):
     version: str | None
 
 
+class RecordsDisagree(ValueError):
+    """Two records of one fact in a capsule config differ: the config was altered after capture."""
+
+
 class CapsuleConfig(Strict):
     format: Literal[1] = CAPSULE_FORMAT
     name: str
@@ -86,5 +90,10 @@ class CapsuleConfig(Strict):
         # disagree could be admitted on the strength of one while the other is true.
         fp = self.fingerprint
         if (self.engine.name, self.engine.version) != (fp.engine, fp.engine_version):
-            raise ValueError("engine %s %s disagrees with fingerprint.engine %s %s: the config was altered; recapture" % (self.engine.name, self.engine.version, fp.engine, fp.engine_version))
+            raise RecordsDisagree("engine %s %s disagrees with fingerprint.engine %s %s: the config was altered; recapture" % (self.engine.name, self.engine.version, fp.engine, fp.engine_version))
+        # Admission checks the recipe's revision against the fingerprint's, hydration reads the
+        # files of the weights record's: a config where they differ would admit one revision and
+        # serve another.
+        if self.weights.revision != fp.model_revision:
+            raise RecordsDisagree("weights.revision %s disagrees with fingerprint.model_revision %s: the config was altered; recapture" % (self.weights.revision, fp.model_revision))
         return self

@@ -198,3 +198,35 @@ def _remove_orphans(paths: list[str]) -> None:
                 os.unlink(path)
             except OSError:
                 pass
+
+
+def leaked_semaphores(*, since: float, uid: int, shm: Path = Path("/dev/shm")) -> list[Path]:
+    """Python's named semaphores (``sem.mp-*``) of user *uid* made since *since* (a time) that no
+    process holds: a tree that spawns with multiprocessing leaves its resource tracker to unlink
+    them, and a tree that ends by SIGKILL (a capture's dump) ends that tracker too."""
+    try:
+        names = [n for n in os.listdir(shm) if n.startswith("sem.mp-")]
+    except OSError:
+        return []
+    candidates = set()
+    for name in names:
+        try:
+            st = (shm / name).stat()
+        except OSError:
+            continue
+        if st.st_uid == uid and st.st_ctime >= since:
+            candidates.add(str(shm / name))
+    held = users_of(candidates)
+    return sorted(Path(p) for p in candidates - set(held))
+
+
+def remove_leaked_semaphores(*, since: float, uid: int, shm: Path = Path("/dev/shm")) -> list[Path]:
+    """Unlink what :func:`leaked_semaphores` finds; the paths removed."""
+    removed = []
+    for path in leaked_semaphores(since=since, uid=uid, shm=shm):
+        try:
+            path.unlink()
+        except OSError:
+            continue
+        removed.append(path)
+    return removed

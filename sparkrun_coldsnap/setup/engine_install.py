@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import sys
 from dataclasses import dataclass
@@ -74,7 +75,7 @@ def find_python(version: str) -> str:
 def _pip(python: Path, args: list[str], *, log) -> None:
     """pip with its output streamed: installing an engine takes minutes."""
     cmd = [str(python), "-m", "pip", "--disable-pip-version-check", *args]
-    log("    $ %s" % " ".join(cmd[1:]))
+    log("    $ %s" % shlex.join(cmd))  # the interpreter too: which environment pip installs into
     run(cmd, timeout=3600, what="pip %s" % args[0])
 
 
