@@ -15,12 +15,7 @@ from sparkrun_coldsnap.errors import CompatibilityError, IntegrityError
 
 def republish_with(store: CapsuleStore, cap: capsule_mod.Capsule, **engine) -> None:
     """The same capsule with its config's top-level engine record changed, tagged anew."""
-    doc = cap.config.model_dump(mode="json")
-    doc["engine"].update(engine)
-    config_desc = store.put_bytes(json.dumps(doc).encode(), media.CONFIG_MEDIA_TYPE)
-    manifest = dict(cap.manifest, config=config_desc.to_json())
-    desc = store.put_json(manifest, media.OCI_MANIFEST, artifact_type=media.ARTIFACT_TYPE)
-    store.tag(cap.ref or "synthetic:latest", Descriptor(desc.media_type, desc.digest, desc.size, None, desc.artifact_type))
+    republish_config(store, cap, "engine", **engine)
 
 
 def test_a_config_whose_engine_version_differs_from_its_fingerprint_is_refused(tmp_path):
