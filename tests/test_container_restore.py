@@ -277,3 +277,44 @@ def test_the_cache_files_the_processes_map_travel_with_the_capsule_and_come_back
         volume_files.put_back(images, volumes)
     with pytest.raises(RestoreError, match="mounts nothing there"):
         volume_files.put_back(images, {"/hf": "/cache/huggingface"})
+
+
+def test_a_container_restored_from_its_checkpoint_reads_a_copy_made_after_it_in_the_shared_weights_tmpfs(daemon, tmp_path, use_settings, monkeypatch):
+    # What native weights in a container rest on: the payload's directories bound at capture,
+    # CRIU restoring the container into the same binds, and a copy into memory made after the
+    # checkpoint (in preparation) visible to the restored processes at the path they are handed.
+    from sparkrun_coldsnap.weights import container_mounts, weights_memory
+
+    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "home"))
+    use_settings(home=tmp_path / "home")
+    spec = dataclasses.replace(daemon, command="sleep 600", weights_volumes=container_mounts.for_capture())
+    unit = docker_unit.start_container(spec, "coldsnap-test-weights")
+    copy = None
+    try:
+        images = tmp_path / "staging" / "restore-weights" / "units" / "solo"
+        docker_unit.checkpoint(unit, images)
+        unit.remove()
+        payload = tmp_path / "payload"
+        payload.mkdir()
+        (payload / "rank-0.bin").write_bytes(os.urandom(1 << 20))
+        copy = weights_memory.copy_into_memory([payload / "rank-0.bin"], shared=True)
+        prepared = container_restore.prepare_restore(spec, images, "coldsnap-test-weights-restore-1", lazy=False)
+        try:
+            restored = container_restore.start_from_checkpoint(prepared, "coldsnap-test-weights")
+        except BaseException:
+            prepared.remove()
+            raise
+        try:
+            seen = subprocess.run(["docker", "exec", restored.container_id, "cat", str(copy.directory / "rank-0.bin")], capture_output=True, timeout=60)
+            assert seen.returncode == 0 and seen.stdout == (payload / "rank-0.bin").read_bytes(), seen.stderr
+            engine_side = container_mounts.for_capture()["engine_side"]
+            assert docker("exec", restored.container_id, "ls", engine_side + "/coldsnap_worker.py").returncode == 0
+            assert docker("exec", restored.container_id, "touch", engine_side + "/x").returncode != 0  # read only
+        finally:
+            restored.remove()
+    finally:
+        unit.remove()
+        if copy is not None:
+            copy.release()
+        subprocess.run(["umount", "-l", str(container_mounts.shared_root())], capture_output=True)
+    assert named("coldsnap-test-weights") == [] and named("coldsnap-test-weights-restore-1") == []

@@ -134,7 +134,7 @@ ALLOWED = {
     "controller": {"capsule", "compat", "documents", "engines", "errors", "extensions", "host", "launch", "progress", "secrets", "units", "weights"},
     "units": {"capsule", "compat", "criu", "digests", "documents", "drivers", "engines", "errors", "extensions", "host", "launch", "weights"},
     "setup": {"criu", "documents", "errors", "host", "launch"},
-    "launch": {"criu", "cuda", "digests", "documents", "errors", "host"},
+    "launch": {"criu", "cuda", "digests", "documents", "errors", "host", "weights"},
     "compat": {"documents", "engines", "host", "weights"},
     "weights": {"digests", "documents", "drivers", "engines", "errors", "host", "progress"},
     "capsule": {"__init__", "digests", "documents", "errors", "host", "progress", "weights"},

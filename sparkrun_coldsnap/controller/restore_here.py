@@ -82,7 +82,9 @@ class HereRestore:
             files_queued.by_end_of(files_read)
         # The payload is copied into memory on a thread of its own, once the files' reads are
         # queued (its own line up behind them), while the capsule is unpacked and the restore runs.
-        job = weights_memory.start_staging(cap.config, choice, rb, progress, after=files_queued.future) if stages_payload and choice is not None else None
+        # A container binds the shared tmpfs when it is created: its copy goes there (container_mounts.py).
+        shared = r.launcher.executor == "docker"
+        job = weights_memory.start_staging(cap.config, choice, rb, progress, after=files_queued.future, shared=shared) if stages_payload and choice is not None else None
         if job is not None:
             attempt.on_failure(job.discard)
         if self.staged_at is None:

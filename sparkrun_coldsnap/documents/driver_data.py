@@ -26,6 +26,9 @@ class RecordedContainer(Sparse):
     shm_size: str | None = Field(None, description="docker's --shm-size (unset: 32g).")
     gpus: tuple[str, ...] | None = Field(None, description="GPU indices the container got as entries of its spec (unset: none).")
     image_name: str | None = Field(None, description="The name the recipe gave the image (repo:tag), for people.")
+    weights_volumes: dict[str, str] | None = Field(
+        None, description="The native weights' directories the container bound, role (engine_side, native, memory) to path in the container; a restore binds this host's at the same paths.",
+    )  # fmt: skip
 
 
 class DriverData(Sparse):

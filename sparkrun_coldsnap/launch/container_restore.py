@@ -66,6 +66,7 @@ def prepare_restore(spec: d.ContainerSpec, images: Path, temp_name: str, *, lazy
     d.remove_stale(temp_name.rsplit("-", 1)[0] + "-")
     check_room(images / d.ROOTFS_TAR)
     volume_files.put_back(images, spec.volumes)
+    spec.prepare_host()
     lazy = memory_on_demand() if lazy is None else lazy and memory_on_demand()
     home = checkpoint_links.home_for(images, temp_name)
     # The label names the images' new home, so that a later preparation can remove both

@@ -18,6 +18,7 @@ from sparkrun_coldsnap.host.process_tree import tree_pids
 from sparkrun_coldsnap.launch import checkpoint_leftovers, container_restore, docker, gpu_container, gpu_devices
 from sparkrun_coldsnap.launch.base import Launcher, Progress, RunningUnit
 from sparkrun_coldsnap.launch.docker import ContainerSpec
+from sparkrun_coldsnap.weights import container_mounts
 
 if TYPE_CHECKING:
     from sparkrun_coldsnap.documents.request import LaunchUnit, RestoreRequest, Workload
@@ -37,6 +38,9 @@ def container_spec(workload: Workload, command: str, env: Mapping[str, str], lab
         shm_size=workload.launch.shm_size or "32g",
         labels=dict(labels or {}),
         gpus=unit_gpus(workload),
+        # A GPU engine reads its native weights through them (weights/container_mounts.py); a
+        # restore needs the same mounts, so they are there from the capture on.
+        weights_volumes=container_mounts.for_capture() if workload.driver != "cpu" else {},
     )
 
 

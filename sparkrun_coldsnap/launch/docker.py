@@ -34,7 +34,7 @@ import re
 import shutil
 import signal
 import tarfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.host.logfile import last_line
 from sparkrun_coldsnap.host.runner import Completed, run
 from sparkrun_coldsnap.launch import gpu_devices
+from sparkrun_coldsnap.weights import container_mounts, native_payload, weights_memory
 
 LOG_IN_CONTAINER = "/tmp/sparkrun_serve.log"
 ROOTFS_TAR = "coldsnap-rootfs.tar"
@@ -148,6 +149,15 @@ class ContainerSpec:
     gpus: tuple[str, ...] = ()
     #: the name the recipe gave the image (``repo:tag``), recorded beside its id for people
     image_name: str | None = None
+    #: the native weights' directories, role -> path in the container (weights/container_mounts.py)
+    weights_volumes: Mapping[str, str] = field(default_factory=dict)
+
+    def prepare_host(self) -> None:
+        """What the container binds made ready on this host before docker binds it: the
+        payload's root, the shared tmpfs mounted (a bind of its empty directory would see nothing)."""
+        if self.weights_volumes:
+            native_payload.root().mkdir(parents=True, exist_ok=True)
+            weights_memory.mount_shared_root()
 
     def create_args(self, name: str, *, auto_remove: bool = False, runtime: str | None = None) -> list[str]:
         """``docker create`` arguments; *auto_remove* as sparkrun's own launches (never for a
@@ -164,6 +174,7 @@ class ContainerSpec:
             args += ["-e", "%s=%s" % (k, v)]
         for host, target in sorted(self.volumes.items()):
             args += ["-v", "%s:%s" % (host, target)]
+        args += container_mounts.volume_args(self.weights_volumes)
         if self.gpus:
             args += gpu_devices.device_args(self.gpus)
         # The engine is the main process; its output goes where sparkrun logs reads.
@@ -176,13 +187,15 @@ class ContainerSpec:
             doc["gpus"] = list(self.gpus)
         if self.image_name:
             doc["image_name"] = self.image_name
+        if self.weights_volumes:
+            doc["weights_volumes"] = dict(self.weights_volumes)
         return doc
 
     @classmethod
     def from_json(cls, doc: dict, *, labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None, volumes: Mapping[str, str] | None = None) -> ContainerSpec:
         return cls(
             doc["image"], doc["command"], dict(env if env is not None else doc["env"]), dict(volumes if volumes is not None else doc["volumes"]),
-            doc.get("shm_size", "32g"), dict(labels or {}), tuple(doc.get("gpus", ())), doc.get("image_name"),
+            doc.get("shm_size", "32g"), dict(labels or {}), tuple(doc.get("gpus", ())), doc.get("image_name"), dict(doc.get("weights_volumes") or {}),
         )  # fmt: skip
 
 
@@ -260,6 +273,7 @@ def named_container(name: str) -> tuple[str, dict[str, str]] | None:
 
 def start_container(spec: ContainerSpec, name: str) -> ContainerUnit:
     docker("rm", "-f", name, check=False, timeout=120)
+    spec.prepare_host()
     out = docker(*spec.create_args(name), timeout=300)
     cid = out.stdout.strip().splitlines()[-1]
     docker("start", cid, timeout=300)
@@ -298,7 +312,8 @@ def checkpoint(unit: ContainerUnit, images: Path) -> None:
     if (cache_files / volume_files.STORED).exists():
         os.rename(cache_files / volume_files.STORED, images / volume_files.STORED)
     shutil.rmtree(cache_files, ignore_errors=True)
-    write_rootfs_tar(upper_dir(unit.container_id), images / ROOTFS_TAR)
+    binds = [*unit.spec.volumes.values(), *unit.spec.weights_volumes.values()] if unit.spec is not None else []
+    write_rootfs_tar(upper_dir(unit.container_id), images / ROOTFS_TAR, mount_points=binds)
 
 
 #: runc names CRIU's log of a failed checkpoint in its error: ``path= <task dir>/criu-dump.log``.
@@ -318,10 +333,15 @@ def keep_dump_log(error: str, name: str) -> Path | None:
     return kept
 
 
-def write_rootfs_tar(upper: Path, target: Path) -> None:
-    """The container's writable layer as a tar, without sockets or overlay whiteouts."""
+def write_rootfs_tar(upper: Path, target: Path, *, mount_points: Iterable[str] = ()) -> None:
+    """The container's writable layer as a tar, without sockets or overlay whiteouts, and
+    without the directories runc made for the container's binds (*mount_points*): loaded into
+    the new container they would be written through its binds, and a read-only one refuses."""
+    skipped = {p.split(":", 1)[0].strip("/") for p in mount_points}  # a volume's target may carry :ro
 
     def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        if info.name.strip("/") in skipped:
+            return None
         return info if (info.isfile() or info.isdir() or info.issym() or info.islnk()) else None
 
     with tarfile.open(target, "w") as tar:

@@ -15,7 +15,7 @@ from sparkrun_coldsnap.documents.capsule_config import CapsuleConfig, ModelFile
 from sparkrun_coldsnap.documents.request import Workload
 from sparkrun_coldsnap.drivers.base import SnapshotDriver
 from sparkrun_coldsnap.engines.base import EngineAdapter
-from sparkrun_coldsnap.weights import native_payload
+from sparkrun_coldsnap.weights import container_mounts, native_payload
 
 if TYPE_CHECKING:
     from sparkrun_coldsnap.weights.weights_memory import StagingJob, WeightsInMemory
@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 def writes_native(w: Workload, driver: SnapshotDriver, adapter: EngineAdapter) -> bool:
     """Whether capture writes a native weight payload: weights leave the capsule, the
     adapter has the path, the recipe did not ask for recovery only, and the engine runs
-    on this host (a container would not see the payload's directory)."""
-    return driver.needs_release and "native" in adapter.gpu_weight_paths and w.weights in ("auto", "native") and w.launch.executor == "local"
+    on this host or in a container that mounts the payload's directory (container_mounts.py)."""
+    return driver.needs_release and "native" in adapter.gpu_weight_paths and w.weights in ("auto", "native") and w.launch.executor in ("local", "docker")
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,10 @@ def choose(cfg: CapsuleConfig, wanted: str, adapter: EngineAdapter) -> WeightCho
         return WeightChoice("recovery")
     record = cfg.weights.native
     missing = ["the capsule has no native weight payload"] if record is None else native_payload.problems(record)
+    container = cfg.units[0].driver_data.container if len(cfg.units) == 1 else None
+    unmounted = container_mounts.problem(container.weights_volumes) if container is not None else None
+    if unmounted is not None:
+        missing.insert(0, unmounted)
     if record is not None and not missing:
         return WeightChoice("native", native_payload.directory(record))
     if wanted == "native":

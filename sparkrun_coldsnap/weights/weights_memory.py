@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -39,7 +40,7 @@ from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.host.background import in_background
 from sparkrun_coldsnap.host.chunked_read import read_chunks
 from sparkrun_coldsnap.progress import QUIET
-from sparkrun_coldsnap.weights import packed_payload, page_cache, weight_paths
+from sparkrun_coldsnap.weights import container_mounts, packed_payload, page_cache, weight_paths
 from sparkrun_coldsnap.weights.fill_marks import FillMark
 
 if TYPE_CHECKING:
@@ -58,9 +59,14 @@ class WeightsInMemory:
     huge_pages: bool
     bytes: int
     read: int = 0  # bytes read from the disk for it (fewer than ``bytes`` from packed copies)
+    shared: bool = False  # a directory in the containers' shared tmpfs, not a tmpfs of its own
 
     def release(self) -> None:
         """Unmount and remove (idempotent; lazily, should the engine still map a file)."""
+        if self.shared:
+            # The engine's mappings keep their pages until it lets them go; the names go now.
+            shutil.rmtree(self.directory, ignore_errors=True)
+            return
         if self.directory.is_dir():
             subprocess.run(["umount", "-l", str(self.directory)], capture_output=True)
             try:
@@ -73,18 +79,56 @@ def root() -> Path:
     return paths.run_dir() / "weights-memory"
 
 
+def _mount_tmpfs(target: Path, size: int) -> bool:
+    """A tmpfs of *size* bytes at *target*, with huge pages where the kernel has them; whether it has."""
+    errors = []
+    for huge in (True, False):  # a kernel without huge pages for tmpfs still gets the copy in memory
+        options = "size=%d,mode=0700%s" % (size, ",huge=always" if huge else "")
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "coldsnap-weights", str(target)], capture_output=True, text=True)
+        if done.returncode == 0:
+            return huge
+        errors.append(done.stderr.strip() or "exit %d" % done.returncode)
+    raise ToolError("cannot mount a tmpfs for the weights at %s: %s" % (target, "; ".join(errors)))
+
+
 def _mount(size: int) -> tuple[Path, bool]:
     root().mkdir(parents=True, exist_ok=True)
     target = Path(tempfile.mkdtemp(prefix="payload-", dir=root()))
-    errors = []
-    for huge in (True, False):  # a kernel without huge pages for tmpfs still gets the copy in memory
-        options = "size=%d,mode=0700%s" % (size + SLACK, ",huge=always" if huge else "")
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "coldsnap-weights", str(target)], capture_output=True, text=True)
-        if done.returncode == 0:
-            return target, huge
-        errors.append(done.stderr.strip() or "exit %d" % done.returncode)
-    target.rmdir()
-    raise ToolError("cannot mount a tmpfs for the weights at %s: %s" % (target, "; ".join(errors)))
+    try:
+        return target, _mount_tmpfs(target, size + SLACK)
+    except ToolError:
+        target.rmdir()
+        raise
+
+
+def mount_shared_root() -> bool:
+    """Mount the shared tmpfs if it is not (idempotent); whether it has huge pages. Its size is
+    only a limit: it holds what the restores under way copied, and grows with them."""
+    target = container_mounts.shared_root()
+    target.mkdir(parents=True, exist_ok=True)
+    if not os.path.ismount(target):
+        return _mount_tmpfs(target, SLACK)
+    return "huge=always" in _options_of(target)
+
+
+def _options_of(target: Path) -> str:
+    """The mount options of the file system mounted last at *target*."""
+    found = [f[3] for f in (line.split() for line in Path("/proc/self/mounts").read_text().splitlines()) if len(f) > 3 and f[1] == str(target)]
+    return found[-1] if found else ""
+
+
+def _in_shared_root(size: int) -> tuple[Path, bool]:
+    """A directory for a copy of *size* bytes in the shared tmpfs, grown to hold it beside what it holds."""
+    huge = mount_shared_root()
+    target = container_mounts.shared_root()
+    st = os.statvfs(target)
+    used = (st.f_blocks - st.f_bfree) * st.f_frsize
+    want = used + size + SLACK
+    if st.f_blocks * st.f_frsize < want:
+        done = subprocess.run(["mount", "-o", "remount,size=%d" % want, str(target)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise ToolError("cannot grow the weights' tmpfs at %s to %.2f GB: %s" % (target, want / 1e9, done.stderr.strip() or "exit %d" % done.returncode))
+    return Path(tempfile.mkdtemp(prefix="payload-", dir=target)), huge
 
 
 def _copy(src: Path, dst: Path, mark: FillMark) -> int:
@@ -119,17 +163,18 @@ def _unpack(packed: Path, index: packed_payload.Index, dst: Path, mark: FillMark
 
 def copy_into_memory(
     files: list[Path], *, packed: dict[Path, packed_payload.Index] | None = None, tick: Callable[[int], None] | None = None,
-    on_ready: Callable[[WeightsInMemory], None] | None = None,
+    on_ready: Callable[[WeightsInMemory], None] | None = None, shared: bool = False,
 ) -> WeightsInMemory:  # fmt: skip
-    """Copy *files* (one directory's) into a fresh huge-page tmpfs, each from its packed copy
-    where *packed* names one; nothing is left mounted on failure. *on_ready* is handed the copy
-    as soon as every file exists at its full size, before any is filled: a reader may follow
-    the copy by its marks (the small files, an engine's index, are filled first)."""
+    """Copy *files* (one directory's) into a fresh huge-page tmpfs (with *shared*, a directory
+    of the containers' shared one), each from its packed copy where *packed* names one; nothing
+    is left on failure. *on_ready* is handed the copy as soon as every file exists at its full
+    size, before any is filled: a reader may follow the copy by its marks (the small files, an
+    engine's index, are filled first)."""
     packed = packed or {}
     sizes = {f: f.stat().st_size for f in files}
     total = sum(sizes.values())
-    target, huge = _mount(total)
-    staged = WeightsInMemory(target, huge, total, read=0)
+    target, huge = _in_shared_root(total) if shared else _mount(total)
+    staged = WeightsInMemory(target, huge, total, read=0, shared=shared)
     marks: dict[Path, FillMark] = {}
     try:
         for f, size in sizes.items():
@@ -170,12 +215,12 @@ def packed_copies(cfg: CapsuleConfig, choice: WeightChoice) -> dict[Path, packed
 
 def stage_for_restore(
     cfg: CapsuleConfig, choice: WeightChoice, rb: ReceiptBuilder, progress: Progress, *, on_ready: Callable[[WeightsInMemory], None] | None = None,
-    from_packed: bool | None = None,
+    from_packed: bool | None = None, shared: bool = False,
 ) -> WeightChoice:  # fmt: skip
     """Copy the native payload *choice* reads into memory; the choice comes back with
     ``in_memory`` set, or as it was with the reason in ``details.weights_memory``.
-    *on_ready*: as :func:`copy_into_memory`'s; *from_packed*: read packed copies where there
-    are (default: ``COLDSNAP_PACKED_PAYLOAD``)."""
+    *on_ready*, *shared*: as :func:`copy_into_memory`'s; *from_packed*: read packed copies
+    where there are (default: ``COLDSNAP_PACKED_PAYLOAD``)."""
     if choice.path != "native" or choice.native_dir is None:
         return choice
     files = weight_paths.files_to_read(cfg, choice, None)
@@ -188,7 +233,7 @@ def stage_for_restore(
     how = "from its packed copy " if packed else ""
     try:
         with rb.phase("prepare.weights_memory"), progress.transfer("copying the native weight payload (%.1f GB) %sinto memory" % (p.total / 1e9, how), p.total) as tick:
-            staged = copy_into_memory(list(files), packed=packed, tick=tick, on_ready=on_ready)
+            staged = copy_into_memory(list(files), packed=packed, tick=tick, on_ready=on_ready, shared=shared)
     except (OSError, ToolError, IntegrityError) as err:  # only a faster path: hydration reads the payload where it is
         rb.details["weights_memory"] = {"skipped": str(err)}
         return choice
@@ -202,7 +247,7 @@ class StagingJob:
     """:func:`stage_for_restore` on a thread of its own: the payload is read while preparation
     unpacks the capsule and the restore runs (the disk is shared, the waiting is not)."""
 
-    def __init__(self, cfg: CapsuleConfig, choice: WeightChoice, rb: ReceiptBuilder, *, after: Future[None] | None = None) -> None:
+    def __init__(self, cfg: CapsuleConfig, choice: WeightChoice, rb: ReceiptBuilder, *, after: Future[None] | None = None, shared: bool = False) -> None:
         self._created = threading.Event()
         self._early: WeightsInMemory | None = None
         from_packed = settings_mod.current().packed_payload  # the settings of the restore that starts it, whenever it runs
@@ -210,7 +255,7 @@ class StagingJob:
         def stage() -> WeightChoice:
             if after is not None:
                 after.exception()  # what it raised is its own caller's to report
-            return stage_for_restore(cfg, choice, rb, QUIET, on_ready=self._ready, from_packed=from_packed)
+            return stage_for_restore(cfg, choice, rb, QUIET, on_ready=self._ready, from_packed=from_packed, shared=shared)
 
         self._future: Future[WeightChoice] = in_background(stage)
         self._future.add_done_callback(lambda _: self._created.set())
@@ -236,10 +281,13 @@ class StagingJob:
             pass
 
 
-def start_staging(cfg: CapsuleConfig, choice: WeightChoice, rb: ReceiptBuilder, progress: Progress, *, after: Future[None] | None = None) -> StagingJob | None:
+def start_staging(
+    cfg: CapsuleConfig, choice: WeightChoice, rb: ReceiptBuilder, progress: Progress, *, after: Future[None] | None = None, shared: bool = False,
+) -> StagingJob | None:  # fmt: skip
     """Start copying the native payload *choice* reads into memory, alongside the rest of
-    preparation; once *after* is done, where given (what must reach the disk first)."""
+    preparation; once *after* is done, where given (what must reach the disk first); *shared*:
+    into the containers' shared tmpfs."""
     if choice.path != "native" or choice.native_dir is None:
         return None
     progress.step("copying the native weight payload into memory alongside")
-    return StagingJob(cfg, choice, rb, after=after)
+    return StagingJob(cfg, choice, rb, after=after, shared=shared)
