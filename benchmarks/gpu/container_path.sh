@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu/container_path.sh bench     # sparkrun coldsnap bench: vanilla container starts and restores alternated
 #   bash benchmarks/gpu/container_path.sh host-capture  # the same model as host processes (executor: local): capture
 #   bash benchmarks/gpu/container_path.sh host-bench    # ... and its bench, the comparison measured the same day
+#   bash benchmarks/gpu/container_path.sh host-restores # ... or only its restores (SAMPLES of them through sparkrun run)
 # After `device.sh stash`, `device.sh plugin` and `device.sh engine` (floor.sh begin/rest do
 # them), `docker.sh up` and a model (`qualify.py model --shape 8b --work $WORK/q8`).
 #
@@ -143,6 +144,24 @@ restored() {
   echo "GPU memory used while serving: $(gpu_mib) MiB"
 }
 
+# restores LABEL RECIPE: SAMPLES restores through `sparkrun run`, the page cache dropped before
+# each and the workload stopped after it; each validated, its receipt kept. No vanilla start
+# beside them: this is the comparison for the other recipe's bench, not a bench of its own.
+restores() {
+  local label=$1 recipe=$2 i log
+  for i in $(seq "$SAMPLES"); do
+    sync && echo 3 > /proc/sys/vm/drop_caches
+    log=$RESULTS/$label-$i.log
+    step "$label $i" sparkrun run "$recipe" --no-follow > "$log" 2>&1 || FAILED=1
+    grep -o "first token [0-9.]* s after the restore began, reply matches capture" "$log" || { echo "sample $i: no validated restore"; tail -n 20 "$log"; FAILED=1; }
+    cp "$(find "$COLDSNAP_HOME/store/receipts" -name '*.json' -printf '%T@ %p\n' | sort -n | tail -n 1 | cut -d' ' -f2-)" "$RESULTS/$label-$i-receipt.json"
+    step "stop $i" sparkrun stop "$recipe" > /dev/null || FAILED=1
+    wait_gpu_released
+  done
+  grep -ho "first token [0-9.]*" "$RESULTS/$label"-*.log | awk '{print $3}' | sort -n |
+    awk -v l="$label" '{a[NR] = $1} END {if (NR) printf "%s: first token median %.2f s (min %.2f, max %.2f, n=%d)\n", l, a[int((NR + 1) / 2)], a[1], a[NR], NR}'
+}
+
 FAILED=0
 case "$MODE" in
   setup)
@@ -196,7 +215,11 @@ case "$MODE" in
     use_plugin
     step "bench host" sparkrun coldsnap bench "$HOST_RECIPE" --samples "$SAMPLES" --out "$RESULTS/bench-host" || FAILED=1
     ;;
-  *) echo "usage: $0 setup|recipe|capture|path|bench|host-capture|host-bench" >&2; exit 2 ;;
+  host-restores)
+    use_plugin
+    restores host-restore "$HOST_RECIPE"
+    ;;
+  *) echo "usage: $0 setup|recipe|capture|path|bench|host-capture|host-bench|host-restores" >&2; exit 2 ;;
 esac
 echo
 awk -F'\t' '{printf "  %-24s %8.2f s  exit %s  GPU %s MiB\n", $1, $2, $3, $4}' "$STEPS"
