@@ -167,11 +167,28 @@ def test_a_restore_decrypts_only_into_staging_and_the_store_keeps_ciphertext(tmp
     assert wrong.startswith("none of the 1 decryption key(s) given opens layer sha256:")
 
 
+def test_a_restore_takes_its_keys_from_coldsnap_decryption_key(tmp_path, keys):
+    """The restore story's unpacking (controller/restore_here.py) with the keys the setting names."""
+    from sparkrun_coldsnap.controller.restore_here import unpack_capsule
+    from sparkrun_coldsnap.documents import settings as settings_mod
+    from sparkrun_coldsnap.documents.receipts import ReceiptBuilder
+    from sparkrun_coldsnap.progress import QUIET
+
+    store, _, enc = encrypted_capsule(tmp_path, [keys["rsa"][1], keys["ec384"][1]])
+    env = {"COLDSNAP_HOME": str(tmp_path / "home")}
+    with settings_mod.using(Settings.from_environ(env)), pytest.raises(RequestError, match="no decryption key was given: set COLDSNAP_DECRYPTION_KEY=PRIVATE.pem$"):
+        unpack_capsule(store, enc, tmp_path / "none", ReceiptBuilder("restore"), QUIET)
+    with settings_mod.using(Settings.from_environ({**env, "COLDSNAP_DECRYPTION_KEY": "%s:%s" % (keys["other"][0], keys["ec384-sec1"][0])})):
+        unpack_capsule(store, enc, tmp_path / "staged", ReceiptBuilder("restore"), QUIET)
+    for f in (tmp_path / "images-secret").iterdir():
+        assert (tmp_path / "staged" / "units" / "solo" / f.name).read_bytes() == f.read_bytes()
+
+
 def test_a_wrong_key_a_missing_key_or_a_changed_layer_is_refused(tmp_path, keys):
     store, _, enc = encrypted_capsule(tmp_path, [keys["rsa"][1]])
     d = enc.layers[0]
     right = layer_crypto.load_private_keys([keys["rsa"][0]])
-    with pytest.raises(RequestError, match=r"^layer sha256:[0-9a-f]{12} is encrypted and no decryption key was given: pass --decryption-key PRIVATE.pem \(or set COLDSNAP_DECRYPTION_KEY\)$"):
+    with pytest.raises(RequestError, match=r"^layer sha256:[0-9a-f]{12} is encrypted and no decryption key was given: set COLDSNAP_DECRYPTION_KEY=PRIVATE.pem$"):
         unpack_layer(store, d, tmp_path / "a")
     with pytest.raises(RequestError, match=r"^none of the 1 decryption key\(s\) given opens layer sha256:[0-9a-f]{12}: "):
         unpack_layer(store, d, tmp_path / "b", keys=layer_crypto.load_private_keys([keys["other"][0]]))

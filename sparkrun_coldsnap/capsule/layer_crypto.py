@@ -35,7 +35,7 @@ A_ENC_PREFIX = "org.opencontainers.image.enc."
 A_KEYS_JWE = A_ENC_PREFIX + "keys.jwe"
 A_PUBOPTS = A_ENC_PREFIX + "pubopts"
 CIPHER = "AES_256_CTR_HMAC_SHA256"
-# Where a restore finds private keys when neither the command line nor the recipe names one.
+# Where a restore finds the private keys (Settings.decryption_keys reads it).
 KEY_ENV = "COLDSNAP_DECRYPTION_KEY"
 
 
@@ -174,7 +174,7 @@ def open_layer_key(desc: Descriptor, keys: list[jwe.PrivateKey]) -> LayerKey:
     """Unwrap *desc*'s layer key with the first of *keys* a JWE of it was made for.
     Raises RequestError naming the layer when none is, IntegrityError when the annotations are damaged."""
     if not keys:
-        raise RequestError("layer %s is encrypted and no decryption key was given: pass --decryption-key PRIVATE.pem (or set %s)" % (short(desc.digest), KEY_ENV))
+        raise RequestError("layer %s is encrypted and no decryption key was given: set %s=PRIVATE.pem" % (short(desc.digest), KEY_ENV))
     pub = _annotation_json(desc, A_PUBOPTS)
     if pub.get("cipher") != CIPHER:
         raise IntegrityError("encrypted layer %s uses cipher %r; only %s is read: re-encrypt it with ocicrypt's default" % (short(desc.digest), pub.get("cipher"), CIPHER))
