@@ -12,11 +12,14 @@ The image config does not change: its diff_ids name the plaintext. Everything st
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import json
 import os
+from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -207,31 +210,46 @@ def open_layer_key(desc: Descriptor, keys: list[jwe.PrivateKey]) -> LayerKey:
 
 class DecryptingReader:
     """Plaintext read from the ciphertext stream *src*; at its end the HMAC is checked
-    (a mismatch raises IntegrityError: whatever was read from it must be discarded)."""
+    (a mismatch raises IntegrityError: whatever was read from it must be discarded).
 
-    def __init__(self, src: BinaryIO, layer_key: LayerKey, digest: str) -> None:
+    The HMAC is computed on a thread of its own, a few chunks behind the reads: it is a second
+    pass of SHA-256 over the layer (the digest check is the first), and hashing releases the GIL,
+    so a restore's unpacking does not wait for it. Close it when done (or abandoned)."""
+
+    AHEAD = 8  # chunks handed to the HMAC thread and not yet hashed, at most
+
+    def __init__(self, src: BinaryIO, layer_key: LayerKey, digest: str, *, hash_plain: bool = False) -> None:
         self._src = src
         self._dec = Cipher(algorithms.AES(layer_key.key), modes.CTR(layer_key.nonce)).decryptor()
         self._mac = hmac.new(layer_key.key, digestmod="sha256")
+        self._hashing: deque[Future[None]] = deque()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="layer-hmac")
         self._expected = layer_key.hmac
         self._digest = digest
         self._checked = False
-        self.plain = hashlib.sha256()  # of the plaintext, for callers that rewrite the descriptor
+        # Of the plaintext, for callers that rewrite the descriptor (an unpacking has no use for it).
+        self.plain = hashlib.sha256() if hash_plain else None
 
     def read(self, n: int = -1) -> bytes:
         ct = self._src.read(n)
         if not ct:
             self._check()
             return b""
-        self._mac.update(ct)
+        if len(self._hashing) >= self.AHEAD:
+            self._hashing.popleft().result()
+        self._hashing.append(self._pool.submit(self._mac.update, ct))  # one thread: in order
         data = self._dec.update(ct)
-        self.plain.update(data)
+        if self.plain is not None:
+            self.plain.update(data)
         return data
 
     def _check(self) -> None:
         if self._checked:
             return
         self._dec.finalize()
+        while self._hashing:
+            self._hashing.popleft().result()
+        self._pool.shutdown()
         if not hmac.compare_digest(self._mac.digest(), self._expected):
             raise IntegrityError("encrypted layer %s failed its HMAC check (the ciphertext or its annotations were changed): discard it and re-pull or re-encrypt the capsule" % short(self._digest))
         self._checked = True
@@ -241,15 +259,19 @@ class DecryptingReader:
             pass
 
     def close(self) -> None:
-        pass  # the ciphertext stream is its owner's to close
+        """Stop the HMAC thread (the ciphertext stream is its owner's to close)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._hashing.clear()
 
 
 def decrypt_stream(src: BinaryIO, desc: Descriptor, out: BinaryIO, keys: list[jwe.PrivateKey]) -> Descriptor:
     """Decrypt blob *desc* from *src* into *out*; the plaintext's descriptor (digest computed here:
     a layer recompressed while encrypted carries the source's digest in its key options)."""
-    reader = DecryptingReader(src, open_layer_key(desc, keys), desc.digest)
+    reader = DecryptingReader(src, open_layer_key(desc, keys), desc.digest, hash_plain=True)
     size = 0
-    while data := reader.read(CHUNK):
-        out.write(data)
-        size += len(data)
+    with contextlib.closing(reader):
+        while data := reader.read(CHUNK):
+            out.write(data)
+            size += len(data)
+    assert reader.plain is not None
     return Descriptor(plain_media_type(desc.media_type), "sha256:" + reader.plain.hexdigest(), size, plain_annotations(desc), desc.artifact_type)

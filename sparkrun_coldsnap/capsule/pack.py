@@ -205,10 +205,12 @@ def unpack_layer(store: CapsuleStore, desc: Descriptor, dest: Path, *, tick: Tic
             raise StoreError("layer %s unpacks to %d bytes, %s has %d free: free space there (or set COLDSNAP_MEMORY_STAGING=off to stage on the store's disk)" % (
                 short(desc.digest), declared, dest, free))  # fmt: skip
     members_total = 0
-    with store.open_blob(desc) as verified:
+    with store.open_blob(desc) as verified, contextlib.ExitStack() as after:
         counted = _CountingReader(verified, tick)  # type: ignore[arg-type]
         # Decrypted as read; at the ciphertext's end its digest is checked, then the HMAC over it.
         plain = layer_crypto.DecryptingReader(counted, layer_key, desc.digest) if layer_key is not None else None  # type: ignore[arg-type]
+        if plain is not None:
+            after.callback(plain.close)
         blob: Any = plain if plain is not None else verified  # what is read to its end to check it
         try:
             source = _decompressed(desc, plain if plain is not None else counted)  # type: ignore[arg-type]
