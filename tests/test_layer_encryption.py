@@ -204,6 +204,10 @@ def test_a_wrong_key_a_missing_key_or_a_changed_layer_is_refused(tmp_path, keys)
     forged = Descriptor(d.media_type, d.digest, d.size, {**d.annotations, layer_crypto.A_PUBOPTS: layer_crypto.base64.b64encode(json.dumps(pub).encode()).decode()})
     with pytest.raises(IntegrityError, match="failed its HMAC check"):
         unpack_layer(store, forged, tmp_path / "d", keys=right)
+    # Keys wrapped twice, joined by a comma (as ocicrypt adds recipients): the part for the key given opens it.
+    other_part = layer_crypto.base64.b64encode(layer_crypto.jwe.encrypt(b"{}", [layer_crypto.load_public_key(keys["other"][1])])).decode()
+    joined = Descriptor(d.media_type, d.digest, d.size, {**d.annotations, layer_crypto.A_KEYS_JWE: other_part + "," + d.annotations[layer_crypto.A_KEYS_JWE]})
+    assert unpack_layer(store, joined, tmp_path / "f", keys=right) > 0
     # The wrapped key changed: no key opens it.
     jwe_doc = json.loads(layer_crypto.base64.b64decode(d.annotations[layer_crypto.A_KEYS_JWE]))
     jwe_doc["ciphertext"] = jwe_doc["ciphertext"][::-1]

@@ -118,8 +118,6 @@ def decrypt(serialized: bytes, key: PrivateKey) -> bytes:
         protected_text = str(doc["protected"])
         protected = json.loads(unb64url(protected_text))
         shared = {**protected, **(doc.get("unprotected") or {})}
-        if shared.get("enc") is not None and shared.get("enc") != ENC and "recipients" not in doc:
-            raise NotForThisKey
         recipients = doc.get("recipients") or [{"header": doc.get("header") or {}, "encrypted_key": doc.get("encrypted_key", "")}]
         iv, ciphertext, tag = (unb64url(str(doc[k])) for k in ("iv", "ciphertext", "tag"))
         aad = protected_text + ("." + str(doc["aad"]) if doc.get("aad") else "")
