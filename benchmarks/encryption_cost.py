@@ -11,6 +11,11 @@ blobs are read from the page cache: what is measured is the CPU, not the disk. M
 
     .venv/bin/python benchmarks/encryption_cost.py --images-gb 2.29 --random-gb 0.36 --samples 3
     .venv/bin/python benchmarks/encryption_cost.py --images-gb 0.02 --random-gb 0.005 --samples 1   # a check that it runs
+
+With ``--store`` and ``--ref`` the images are a real one-unit capsule's instead (unpacked from it
+and packed again into the scratch store, which leaves the store as it was):
+
+    .venv/bin/python benchmarks/encryption_cost.py --store ~/.local/share/sparkrun-coldsnap/store --ref qwen-8b:latest --samples 3
 """
 
 from __future__ import annotations
@@ -59,6 +64,17 @@ def write_images(images: Path, images_bytes: int, random_bytes: int) -> None:
             f.write(os.urandom(4096) + bytes(MIB - 4096))
 
 
+def real_images(store_path: Path | None, ref: str, work: Path) -> Path:
+    """The process images of capsule *ref*'s one unit, unpacked under *work*."""
+    store = CapsuleStore(store_path) if store_path else CapsuleStore(Path("~/.local/share/sparkrun-coldsnap/store").expanduser())
+    cap = open_capsule(store, ref)
+    if len(cap.config.units) != 1:
+        raise SystemExit("capsule %s has %d units: the bench packs one" % (ref, len(cap.config.units)))
+    for d in cap.layers:
+        unpack_layer(store, d, work / "unpacked")
+    return work / "unpacked" / cap.config.units[0].name
+
+
 def timed(fn: Any) -> float:
     t = time.monotonic()
     fn()
@@ -90,17 +106,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--images-gb", type=float, default=2.29, help="process images of the capsule's one unit (the 8B capsule: 2.29)")
     ap.add_argument("--random-gb", type=float, default=0.36, help="of which incompressible (the rest mostly zero pages)")
+    ap.add_argument("--store", type=Path, default=None, help="with --ref: take the images of this store's capsule")
+    ap.add_argument("--ref", default=None, help="a one-unit capsule in --store whose images are measured")
     ap.add_argument("--samples", type=int, default=3)
     ap.add_argument("--work", type=Path, default=Path("/dev/shm") if Path("/dev/shm").is_dir() else None, help="scratch directory (default: /dev/shm)")
     ap.add_argument("--json-out", type=Path, default=None, help="also write the result here")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="encryption-cost-", dir=args.work))
     try:
-        write_images(work / "images", int(args.images_gb * 1e9), int(args.random_gb * 1e9))
-        image_bytes = sum(p.stat().st_size for p in (work / "images").iterdir())
+        images = real_images(args.store, args.ref, work) if args.ref else work / "images"
+        if not args.ref:
+            write_images(images, int(args.images_gb * 1e9), int(args.random_gb * 1e9))
+        image_bytes = sum(p.stat().st_size for p in images.rglob("*") if p.is_file())
         store = CapsuleStore(work / "store").init()
-        plain_cap = make_capsule(store, work, "bench", images=work / "images")
-        shutil.rmtree(work / "images")
+        plain_cap = make_capsule(store, work, "bench", images=images)
+        shutil.rmtree(images)
         rsa_key, ec_key = rsa.generate_private_key(65537, 3072), ec.generate_private_key(ec.SECP256R1())
         recipients = [rsa_key.public_key(), ec_key.public_key()]
         keys: list[Any] = [ec_key]
