@@ -249,6 +249,9 @@ def test_the_encrypt_verb(tmp_path, keys):
     out = json.loads(done.output)
     assert out["ref"] == "verb:sealed" and all(l["mediaType"].endswith("+encrypted") for l in out["layers"])
     assert capsule_mod.open_capsule(store, "verb").digest == plain.digest  # --as keeps the plaintext capsule
+    shown = runner.invoke(coldsnap_group, ["inspect", "verb:sealed", "--store", str(store.root)]).output
+    assert "credentials in memory: none; every layer encrypted" in shown and "tar+zstd+encrypted" in shown, shown
+    assert "every layer encrypted" not in runner.invoke(coldsnap_group, ["inspect", "verb", "--store", str(store.root)]).output
     line = one_error_line(*_invoke(runner, ["encrypt", "verb", "--recipient", str(keys["rsa"][0]), "--store", str(store.root)]))
     assert line == "Error: recipient key %s is not a PEM public key: it is a private key: give its public half (openssl pkey -in KEY -pubout)" % keys["rsa"][0]
     line = one_error_line(*_invoke(runner, ["encrypt", "verb:sealed", "--recipient", str(keys["rsa"][1]), "--store", str(store.root)]))
