@@ -19,7 +19,7 @@ import json
 import os
 from collections import deque
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -32,6 +32,7 @@ from sparkrun_coldsnap.capsule import jwe
 from sparkrun_coldsnap.capsule.store import Descriptor
 from sparkrun_coldsnap.digests import CHUNK, short
 from sparkrun_coldsnap.errors import IntegrityError, RequestError
+from sparkrun_coldsnap.host.threads import ContextPool
 
 SUFFIX = "+encrypted"
 A_ENC_PREFIX = "org.opencontainers.image.enc."
@@ -223,7 +224,7 @@ class DecryptingReader:
         self._dec = Cipher(algorithms.AES(layer_key.key), modes.CTR(layer_key.nonce)).decryptor()
         self._mac = hmac.new(layer_key.key, digestmod="sha256")
         self._hashing: deque[Future[None]] = deque()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="layer-hmac")
+        self._pool = ContextPool(1)
         self._expected = layer_key.hmac
         self._digest = digest
         self._checked = False
