@@ -221,6 +221,11 @@ def trusted_keys(policy: TrustPolicy) -> list[PublicKey]:
     return [load_public_key(p) for p in policy.keys]
 
 
+def refusal_in_store(store: CapsuleStore, capsule: str, digest: str, policy: TrustPolicy) -> str | None:
+    """Why *policy* refuses capsule *capsule* (manifest *digest*) with the signatures *store* keeps; None: it admits it."""
+    return refusal(capsule, digest, local_signatures(store, digest), policy)
+
+
 def refusal(capsule: str, digest: str, sigs: list[Signature], policy: TrustPolicy, *, repository: str | None = None) -> str | None:
     """Why *policy* refuses capsule *capsule* (manifest *digest*) with signatures *sigs*; None: it admits it.
 

@@ -141,7 +141,7 @@ def open_trusted(req: RestoreRequest, store: CapsuleStore, rb: ReceiptBuilder) -
         rb.capsule = cap.digest
         if req.trust is not None:
             # Before admission and staging, so before the replaced workload is touched.
-            why = signatures.refusal(req.capsule.ref, cap.digest, signatures.local_signatures(store, cap.digest), req.trust)
+            why = signatures.refusal_in_store(store, req.capsule.ref, cap.digest, req.trust)
             if why:
                 raise CompatibilityError("admission refused: %s" % why, code="admission.untrusted")
     return cap

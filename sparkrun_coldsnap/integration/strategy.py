@@ -350,20 +350,15 @@ def _replaced_container(name: str) -> str | None:
     """The id of sparkrun's container this run replaces: the one that holds the workload's name
     and sparkrun's owner label (a container of that name that is not sparkrun's is left alone,
     and the restore then refuses to take its name)."""
-    import json
-
     from sparkrun.core.application_profile import get_application_profile
     from sparkrun.core.ownership import OWNER_LABEL
 
     from sparkrun_coldsnap.launch import docker
 
-    out = docker.docker("inspect", "--type", "container", "--format", "{{.Id}} {{json .Config.Labels}}", name, check=False, timeout=60)
-    if out.returncode != 0 or not out.stdout.strip():
-        return None
-    cid, _, labels = out.stdout.strip().partition(" ")
+    held = docker.named_container(name)
     # The label, not the name alone (sparkrun's own guard also owns unlabelled containers of its
     # old naming): a container someone made under that name is not removed.
-    return cid if (json.loads(labels) or {}).get(OWNER_LABEL) == get_application_profile().id else None
+    return held[0] if held is not None and held[1].get(OWNER_LABEL) == get_application_profile().id else None
 
 
 def _stop_replaced_container(name: str, container: str) -> None:
@@ -531,7 +526,7 @@ def describe_plan(req: RestoreRequest, store: CapsuleStore, repository: str | No
         if req.trust is not None:  # as the restore's own opening of the capsule checks it
             from sparkrun_coldsnap.capsule import signatures
 
-            untrusted = signatures.refusal(req.capsule.ref, cap.digest, signatures.local_signatures(store, cap.digest), req.trust)
+            untrusted = signatures.refusal_in_store(store, req.capsule.ref, cap.digest, req.trust)
             problems = [untrusted, *problems] if untrusted else problems
         head = "restore capsule %s (%s) from %s" % (req.capsule.ref, cap.digest[:19], store.root)
         if problems:

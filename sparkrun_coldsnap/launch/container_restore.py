@@ -153,8 +153,8 @@ def _take_name(unit: d.ContainerUnit, name: str) -> None:
 
 def name_holder(name: str) -> str | None:
     """The id of the container called *name*, if there is one."""
-    out = d.docker("inspect", "--type", "container", "--format", "{{.Id}}", name, check=False, timeout=60)
-    return (out.stdout.strip() or None) if out.returncode == 0 else None
+    held = d.named_container(name)
+    return held[0] if held is not None else None
 
 
 def _after_start(container_id: str, images: Path, lazy: bool) -> None:

@@ -249,6 +249,15 @@ class ContainerUnit:
         """Nothing to reap: dockerd is the parent."""
 
 
+def named_container(name: str) -> tuple[str, dict[str, str]] | None:
+    """The id and labels of the container called *name*, if there is one."""
+    out = docker("inspect", "--type", "container", "--format", "{{.Id}} {{json .Config.Labels}}", name, check=False, timeout=60)
+    if out.returncode != 0 or not out.stdout.strip():
+        return None
+    cid, _, labels = out.stdout.strip().partition(" ")
+    return cid, json.loads(labels) or {}
+
+
 def start_container(spec: ContainerSpec, name: str) -> ContainerUnit:
     docker("rm", "-f", name, check=False, timeout=120)
     out = docker(*spec.create_args(name), timeout=300)

@@ -14,11 +14,11 @@ import fnmatch
 import glob
 import os
 import re
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from sparkrun_coldsnap.errors import CaptureError
+from sparkrun_coldsnap.errors import CaptureError, ToolError
+from sparkrun_coldsnap.host.runner import run
 
 #: Device nodes every CUDA process needs besides its GPUs.
 CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
@@ -78,8 +78,8 @@ def driver_library_dirs(loader_cache: str | None = None) -> list[str]:
     under /usr/local/nvidia/lib64 with links in /lib; a container needs the files of both."""
     if loader_cache is None:
         try:
-            loader_cache = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=30).stdout
-        except (OSError, subprocess.SubprocessError):
+            loader_cache = run(["ldconfig", "-p"], timeout=30, check=False).stdout
+        except ToolError:  # no ldconfig, or no answer: the distributions' directories alone
             loader_cache = ""
     dirs = list(LIBRARY_DIRS)
     for line in loader_cache.splitlines():
