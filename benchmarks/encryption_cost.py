@@ -10,6 +10,7 @@ restores unpack), and the cipher alone (encrypt and decrypt of every layer to no
 blobs are read from the page cache: what is measured is the CPU, not the disk. Medians.
 
     .venv/bin/python benchmarks/encryption_cost.py --images-gb 2.29 --random-gb 0.36 --samples 3
+    .venv/bin/python benchmarks/encryption_cost.py --images-gb 2.2357 --layers-gb 0.3764 --samples 3   # the container capsule of 2026-12-07
     .venv/bin/python benchmarks/encryption_cost.py --images-gb 0.02 --random-gb 0.005 --samples 1   # a check that it runs
 
 With ``--store`` and ``--ref`` the images are a real one-unit capsule's instead (unpacked from it
@@ -106,12 +107,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--images-gb", type=float, default=2.29, help="process images of the capsule's one unit (the 8B capsule: 2.29)")
     ap.add_argument("--random-gb", type=float, default=0.36, help="of which incompressible (the rest mostly zero pages)")
+    ap.add_argument("--layers-gb", type=float, default=None, help="instead of --random-gb: the packed layers' size to aim at (the 8B container capsule: 0.3764)")
     ap.add_argument("--store", type=Path, default=None, help="with --ref: take the images of this store's capsule")
     ap.add_argument("--ref", default=None, help="a one-unit capsule in --store whose images are measured")
     ap.add_argument("--samples", type=int, default=3)
     ap.add_argument("--work", type=Path, default=Path("/dev/shm") if Path("/dev/shm").is_dir() else None, help="scratch directory (default: /dev/shm)")
     ap.add_argument("--json-out", type=Path, default=None, help="also write the result here")
     args = ap.parse_args()
+    if args.layers_gb is not None:
+        # A zero-page MiB packs to about its one random page: 1/256 of it.
+        args.random_gb = (args.layers_gb - args.images_gb / 256) / (1 - 1 / 256)
+        if not 0 < args.random_gb <= args.images_gb:
+            raise SystemExit("--layers-gb %s cannot come from --images-gb %s of images: give between %.4f and %s" % (args.layers_gb, args.images_gb, args.images_gb / 256, args.images_gb))
     work = Path(tempfile.mkdtemp(prefix="encryption-cost-", dir=args.work))
     try:
         images = real_images(args.store, args.ref, work) if args.ref else work / "images"
@@ -145,11 +152,13 @@ def main() -> int:
             "layer_gb_per_s": {k: round(layer_bytes / v / 1e9, 3) for k, v in med.items() if v > 0},
             "unpack_added_seconds": round(med["unpack encrypted"] - med["unpack plain"], 4),
             "unpack_added_fraction": round(med["unpack encrypted"] / med["unpack plain"] - 1, 4) if med["unpack plain"] > 0 else None,
+            "unpack_ratio": round(med["unpack encrypted"] / med["unpack plain"], 4) if med["unpack plain"] > 0 else None,
+            "layer_mb_per_s": {k: round(layer_bytes / v / 1e6, 1) for k, v in med.items() if v > 0},
             "all_seconds": {k: [round(x, 4) for x in v] for k, v in times.items()},
         }  # fmt: skip
-        print("%.2f GB of images in %.3f GB of layers: encrypt %.2f GB/s, decrypt %.2f GB/s (cipher alone); a restore's unpacking %.3f s plain, %.3f s encrypted (+%.3f s)" % (
+        print("%.2f GB of images in %.3f GB of layers: encrypt %.2f GB/s, decrypt %.2f GB/s (cipher alone); a restore's unpacking %.3f s plain, %.3f s encrypted (+%.3f s, x%.3f)" % (
             image_bytes / 1e9, layer_bytes / 1e9, result["layer_gb_per_s"]["cipher encrypt"], result["layer_gb_per_s"]["cipher decrypt"], med["unpack plain"], med["unpack encrypted"],
-            result["unpack_added_seconds"]))  # fmt: skip
+            result["unpack_added_seconds"], result["unpack_ratio"] or 0))  # fmt: skip
         print(json.dumps(result))
         if args.json_out:
             args.json_out.write_text(json.dumps(result, indent=2) + "\n")

@@ -1,6 +1,8 @@
 """Encrypted capsule layers (OCI ``+encrypted``, keys wrapped as JWE, as containers' ocicrypt does):
 encrypted here and decrypted by the real skopeo, encrypted by skopeo and decrypted here, a wrong
-key or a changed layer refused, the plaintext only in a restore's staging and never in the store."""
+key or a changed layer refused, the plaintext only in a restore's staging and never in the store;
+and an encrypted capsule through the real registry: published, pulled as ciphertext, read by
+skopeo from the registry with its key, and unpacked by a restore here only with the key."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ import pytest
 from click.testing import CliRunner
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
-from helpers import make_capsule, one_error_line
+from helpers import make_capsule, one_error_line, synthetic_workload
+from registry_fixtures import Registry
+from skopeo_fixtures import Skopeo
 
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
 from sparkrun_coldsnap.capsule import capsule_crypto, layer_crypto
@@ -26,8 +30,9 @@ from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor
 from sparkrun_coldsnap.capsule.transfer import publish
 from sparkrun_coldsnap.cli import coldsnap_group
 from sparkrun_coldsnap.digests import canonical_json, sha256_bytes
+from sparkrun_coldsnap.documents.request import CapsuleRef, RestoreRequest, ValidationSpec
 from sparkrun_coldsnap.documents.settings import Settings
-from sparkrun_coldsnap.errors import IntegrityError, RequestError
+from sparkrun_coldsnap.errors import CompatibilityError, IntegrityError, RequestError
 
 LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
 
@@ -275,3 +280,98 @@ def test_private_keys_in_every_pem_form_and_a_protected_one_refused(tmp_path, ke
     with pytest.raises(RequestError, match=r"^recipient key .*nowhere.pem cannot be read \(No such file or directory\)"):
         layer_crypto.load_public_key(tmp_path / "nowhere.pem")
     assert Settings.from_environ({"COLDSNAP_DECRYPTION_KEY": "/a.pem:/b.pem"}).decryption_keys == (Path("/a.pem"), Path("/b.pem"))
+
+
+# -- through the real registry ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def registry(oci_registry, tmp_path):
+    r = Registry(tmp_path / "registry").start()
+    yield r
+    r.stop()
+
+
+def _files_holding(root: Path, marker: bytes) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and marker in p.read_bytes()]
+
+
+def test_an_encrypted_capsule_goes_through_the_registry_as_ciphertext_and_opens_only_with_its_key(registry, skopeo, criu, keys, tmp_path):
+    from sparkrun_coldsnap.controller.restore_here import new_restore_staging, unpack_capsule, unpacked_size
+    from sparkrun_coldsnap.documents import settings as settings_mod
+    from sparkrun_coldsnap.documents.receipts import ReceiptBuilder
+    from sparkrun_coldsnap.host import paths
+    from sparkrun_coldsnap.integration.strategy import describe_plan
+    from sparkrun_coldsnap.progress import QUIET
+
+    store = CapsuleStore(tmp_path / "store")
+    plain = make_capsule(store, tmp_path, "secret", pages_mb=2)
+    images = tmp_path / "images-secret"
+    marker = (images / "pages-1.img").read_bytes()[:4096]  # random: found only where the plaintext is
+    runner = CliRunner()
+    sealed_as = runner.invoke(coldsnap_group, ["encrypt", "secret", "--recipient", str(keys["rsa"][1]), "--recipient", str(keys["ec256"][1]), "--store", str(store.root)])
+    assert sealed_as.exit_code == 0, sealed_as.output
+    sealed = capsule_mod.open_capsule(store, "secret")
+    target = "%s/capsules/secret:v1" % registry.host
+    published = runner.invoke(coldsnap_group, ["publish", "secret", target, "--store", str(store.root), "--plain-http"])
+    assert published.exit_code == 0, published.output
+    assert all(registry.blob_file(d.digest).is_file() for d in sealed.layers) and not any(registry.blob_file(d.digest).exists() for d in plain.layers)
+    assert _files_holding(registry.storage, marker) == []  # the registry holds ciphertext only
+
+    # Pulled into a fresh store: the same manifest, ciphertext kept as it arrived.
+    fresh = CapsuleStore(tmp_path / "pulled")
+    pulled = runner.invoke(coldsnap_group, ["pull", target, "--store", str(fresh.root), "--plain-http"])
+    assert pulled.exit_code == 0, pulled.output
+    cap = capsule_mod.open_capsule(fresh, "secret:v1")
+    assert cap.digest == sealed.digest and [d.to_json() for d in cap.layers] == [d.to_json() for d in sealed.layers]
+    assert all(layer_crypto.is_encrypted(d) for d in cap.layers) and _files_holding(fresh.root, marker) == []
+    assert capsule_mod.verify(fresh, cap) == sum(d.size for d in sealed.layers)
+
+    # skopeo reads it from the registry with either recipient's key and gets the capsule's own layers back.
+    tool = Skopeo(skopeo, registry.host, tmp_path / "skopeo")
+    for r in ("rsa", "ec256"):
+        out = tmp_path / ("skopeo-" + r)
+        done = tool.run("copy", "--src-tls-verify=false", "--decryption-key", str(keys[r][0]), "docker://" + target, "oci:%s:plain" % out)
+        assert done.returncode == 0, done.stderr
+        got = layout_manifest(out, "plain")["layers"]
+        assert [(l["mediaType"], l["digest"], l["size"]) for l in got] == [(d.media_type, d.digest, d.size) for d in plain.layers]
+        assert [sha256_bytes(blob(out, l["digest"]).read_bytes()) for l in got] == [d.digest for d in plain.layers]
+    kept = tool.run("copy", "--src-tls-verify=false", "docker://" + target, "dir:%s" % (tmp_path / "as-is"))
+    assert kept.returncode == 0, kept.stderr
+    assert [l["mediaType"] for l in json.loads((tmp_path / "as-is" / "manifest.json").read_text())["layers"]] == [d.media_type for d in sealed.layers]
+    refused = tool.run("copy", "--src-tls-verify=false", "--decryption-key", str(keys["other"][0]), "docker://" + target, "oci:%s:plain" % (tmp_path / "wrong"))
+    assert refused.returncode != 0 and "no suitable key" in refused.stderr, refused.stderr
+
+    # A restore here: without the key, refused at admission and at unpacking, in one line naming the variable.
+    req = RestoreRequest(
+        workload=synthetic_workload("secret"), validation=ValidationSpec(prompt="hi"), capsule=CapsuleRef(name="secret", tag="v1"), workload_name="sparkrun_secret_solo",
+        on_missing="fail", on_incompatible="fail",
+    )  # fmt: skip
+    missing = "capsule secret:v1 has 2 encrypted layer(s) and no decryption key was given: set COLDSNAP_DECRYPTION_KEY=PRIVATE.pem"
+    home = {"COLDSNAP_HOME": str(tmp_path / "home")}
+    with settings_mod.using(Settings.from_environ(home)):
+        view = describe_plan(req, fresh)
+        assert "refuse capsule secret:v1" in view.text and missing in view.text and isinstance(view.error, CompatibilityError)
+        staging = new_restore_staging(fresh, unpacked_size(cap))
+        try:
+            with pytest.raises(RequestError) as err:
+                unpack_capsule(fresh, cap, staging, ReceiptBuilder("restore"), QUIET)
+        finally:
+            paths.remove_staging(staging)
+    assert "\n" not in err.value.message and err.value.message.endswith("no decryption key was given: set COLDSNAP_DECRYPTION_KEY=PRIVATE.pem")
+    path = tmp_path / "request.json"
+    path.write_text(json.dumps(req.model_copy(update={"request_sha256": req.digest()}).model_dump(mode="json")))
+    done = runner.invoke(coldsnap_group, ["restore", "--request", str(path), "--store", str(fresh.root)], env={**home, "COLDSNAP_DECRYPTION_KEY": ""})
+    line = one_error_line(done.exit_code, done.output)
+    assert done.exit_code == 3 and line.startswith("Error: admission refused for capsule secret:v1: ") and missing in line, line
+    # With the key: admission opens every layer, and the restore's staging gets the images back, byte for byte.
+    with settings_mod.using(Settings.from_environ({**home, "COLDSNAP_DECRYPTION_KEY": str(keys["ec256"][0])})):
+        assert missing not in describe_plan(req, fresh).text
+        staging = new_restore_staging(fresh, unpacked_size(cap))
+        try:
+            unpack_capsule(fresh, cap, staging, ReceiptBuilder("restore"), QUIET)
+            for f in images.iterdir():
+                assert (staging / "units" / "solo" / f.name).read_bytes() == f.read_bytes()
+        finally:
+            paths.remove_staging(staging)
+    assert not staging.exists() and _files_holding(fresh.root, marker) == []
