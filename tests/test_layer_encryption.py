@@ -325,7 +325,10 @@ def test_an_encrypted_capsule_goes_through_the_registry_as_ciphertext_and_opens_
     cap = capsule_mod.open_capsule(fresh, "secret:v1")
     assert cap.digest == sealed.digest and [d.to_json() for d in cap.layers] == [d.to_json() for d in sealed.layers]
     assert all(layer_crypto.is_encrypted(d) for d in cap.layers) and _files_holding(fresh.root, marker) == []
-    assert capsule_mod.verify(fresh, cap) == sum(d.size for d in sealed.layers)
+    verified = runner.invoke(coldsnap_group, ["verify", "secret:v1", "--store", str(fresh.root)])  # the ciphertext's digests, without a key
+    assert verified.exit_code == 0 and "manifest, config and 2 layers verified" in verified.output, verified.output
+    shown = runner.invoke(coldsnap_group, ["inspect", "secret:v1", "--store", str(fresh.root)]).output
+    assert "credentials in memory: none; every layer encrypted" in shown, shown
 
     # skopeo reads it from the registry with either recipient's key and gets the capsule's own layers back.
     tool = Skopeo(skopeo, registry.host, tmp_path / "skopeo")
