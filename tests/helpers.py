@@ -54,15 +54,17 @@ FINGERPRINT = Fingerprint(
 
 def make_capsule(
     store: CapsuleStore, tmp: Path, name: str = "synthetic", *, tag: str = "latest", pages_mb: int = 6, model_dir: Path | None = None,
-    native: NativePayload | None = None,
+    native: NativePayload | None = None, images: Path | None = None,
 ) -> capsule_mod.Capsule:  # fmt: skip
-    images = tmp / ("images-" + name)
-    images.mkdir(parents=True, exist_ok=True)
-    (images / "core-1.img").write_bytes(os.urandom(4096))
-    (images / ("pages-1.img")).write_bytes(os.urandom(pages_mb << 20))  # incompressible: a plain tar layer
-    with open(images / "pages-2.img", "wb") as f:  # mostly zeros: a zstd layer
-        f.write(os.urandom(8192))
-        f.truncate(pages_mb << 20)
+    """A capsule of one unit whose images are *images*, or (none given) a few synthetic ones of about 2 x *pages_mb*."""
+    if images is None:
+        images = tmp / ("images-" + name)
+        images.mkdir(parents=True, exist_ok=True)
+        (images / "core-1.img").write_bytes(os.urandom(4096))
+        (images / ("pages-1.img")).write_bytes(os.urandom(pages_mb << 20))  # incompressible: a plain tar layer
+        with open(images / "pages-2.img", "wb") as f:  # mostly zeros: a zstd layer
+            f.write(os.urandom(8192))
+            f.truncate(pages_mb << 20)
     store.init()
     layers = pack_unit(images, "solo", store.new_staging_dir("factory-"))
     files = model_files.record(model_dir) if model_dir else ()

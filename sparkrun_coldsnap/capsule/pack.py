@@ -23,7 +23,8 @@ from typing import Any, BinaryIO
 
 import zstandard
 
-from sparkrun_coldsnap.capsule import media
+from sparkrun_coldsnap.capsule import layer_crypto, media
+from sparkrun_coldsnap.capsule.jwe import PrivateKey
 from sparkrun_coldsnap.capsule.store import CapsuleStore, Descriptor
 from sparkrun_coldsnap.capsule.zstd_frames import FramedReader, FramedWriter, default_threads, frame_sizes
 from sparkrun_coldsnap.digests import short
@@ -185,8 +186,13 @@ def _decompressed(desc: Descriptor, blob: BinaryIO) -> Any:
     return blob
 
 
-def unpack_layer(store: CapsuleStore, desc: Descriptor, dest: Path, *, tick: Tick | None = None) -> int:
-    """Verify and unpack one layer into *dest*; returns bytes written."""
+def unpack_layer(store: CapsuleStore, desc: Descriptor, dest: Path, *, tick: Tick | None = None, keys: list[PrivateKey] | None = None) -> int:
+    """Verify and unpack one layer into *dest*; returns bytes written. An encrypted layer is
+    decrypted with one of *keys* as it is read: the plaintext exists only as what lands in *dest*."""
+    layer_key = None
+    if layer_crypto.is_encrypted(desc):
+        layer_key = layer_crypto.open_layer_key(desc, keys or [])
+        desc = Descriptor(layer_crypto.plain_media_type(desc.media_type), desc.digest, desc.size, desc.annotations)
     if desc.media_type not in media.LAYER_TYPES:
         raise IntegrityError("layer %s has media type %s, not a capsule layer" % (desc.digest, desc.media_type))
     written = 0
@@ -199,10 +205,15 @@ def unpack_layer(store: CapsuleStore, desc: Descriptor, dest: Path, *, tick: Tic
             raise StoreError("layer %s unpacks to %d bytes, %s has %d free: free space there (or set COLDSNAP_MEMORY_STAGING=off to stage on the store's disk)" % (
                 short(desc.digest), declared, dest, free))  # fmt: skip
     members_total = 0
-    with store.open_blob(desc) as blob:
-        counted = _CountingReader(blob, tick)  # type: ignore[arg-type]
+    with store.open_blob(desc) as verified, contextlib.ExitStack() as after:
+        counted = _CountingReader(verified, tick)  # type: ignore[arg-type]
+        # Decrypted as read; at the ciphertext's end its digest is checked, then the HMAC over it.
+        plain = layer_crypto.DecryptingReader(counted, layer_key, desc.digest) if layer_key is not None else None  # type: ignore[arg-type]
+        if plain is not None:
+            after.callback(plain.close)
+        blob: Any = plain if plain is not None else verified  # what is read to its end to check it
         try:
-            source = _decompressed(desc, counted)  # type: ignore[arg-type]
+            source = _decompressed(desc, plain if plain is not None else counted)  # type: ignore[arg-type]
             with contextlib.closing(source), ContextPool(default_threads()) as writers, tarfile.open(fileobj=source, mode="r|", bufsize=TAR_BUFFER) as tar:
                 for member in tar:
                     target = _safe_member(member, dest)

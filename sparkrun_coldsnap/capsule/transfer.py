@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sparkrun_coldsnap.capsule import media, signatures
+from sparkrun_coldsnap.capsule import capsule_crypto, media, signatures
 from sparkrun_coldsnap.capsule.capsule import Capsule, open_capsule, parse_config, parse_manifest
 from sparkrun_coldsnap.capsule.reference import Reference
 from sparkrun_coldsnap.capsule.registry import DEFAULT_CHUNK, RegistryClient
@@ -148,11 +148,13 @@ def publish(
     chunk: int = DEFAULT_CHUNK, progress: Progress = QUIET, allow_secrets: bool = False, sign_with: ec.EllipticCurvePrivateKey | None = None,
 ) -> PublishResult:  # fmt: skip
     """Push a local capsule (given *model_dir*, its weights as its subject; *with_native*, its native payload as a referrer) to *target*.
-    A capsule whose memory holds credentials is refused unless *allow_secrets*: whoever can pull it can read them.
+    A capsule whose memory holds credentials is refused unless *allow_secrets* or all its layers are encrypted: whoever can pull it could read them.
     With *sign_with*, the published manifest is signed as *target* and the signature attached (and kept locally)."""
     cap = open_capsule(store, capsule_ref)
-    if cap.config.credentials and not allow_secrets:
-        raise RequestError("capsule %s holds credentials in its memory (%s): publishing hands them to whoever can pull it; capture it without them, or pass --allow-secrets" % (capsule_ref, ", ".join(cap.config.credentials)))
+    # Encrypted throughout, the memory is readable only by the recipients' private keys.
+    if cap.config.credentials and not allow_secrets and not capsule_crypto.fully_encrypted(cap):
+        raise RequestError("capsule %s holds credentials in its memory (%s): publishing hands them to whoever can pull it; capture it without them, encrypt it, or pass --allow-secrets" % (
+            capsule_ref, ", ".join(cap.config.credentials)))  # fmt: skip
     native = native_to_publish(cap) if with_native else None  # refused before anything is pushed
     staging = store.staging / "uploads"
     blobs = [Descriptor.from_json(cap.manifest["config"]), *cap.layers]

@@ -97,9 +97,9 @@ def coldsnap_group(debug: bool) -> None:
 
 
 def _register_verbs() -> None:
-    from sparkrun_coldsnap.cli import bench, capabilities, capture, doctor, lifecycle, registry_verbs, restore, setup, signing_verbs, store_verbs
+    from sparkrun_coldsnap.cli import bench, capabilities, capture, doctor, encrypt_verbs, lifecycle, registry_verbs, restore, setup, signing_verbs, store_verbs
 
-    for module in (capture, restore, lifecycle, store_verbs, registry_verbs, signing_verbs, capabilities, doctor, bench, setup):
+    for module in (capture, restore, lifecycle, store_verbs, registry_verbs, signing_verbs, encrypt_verbs, capabilities, doctor, bench, setup):
         for cmd in module.COMMANDS:
             # --debug is accepted after the verb too, where users type it.
             cmd.params.append(click.Option(["--debug"], is_flag=True, expose_value=False, is_eager=True, callback=_debug_flag, help=DEBUG_HELP))

@@ -41,7 +41,7 @@ def model_dir_of(cap) -> Path:
 @chunk_option
 @click.option("--with-weights", is_flag=True, help="Also push the model files as a weights artifact, linked as the capsule's subject.")
 @click.option("--with-native", is_flag=True, help="Also push the capsule's native weight payload from this host, as an artifact referring to the capsule.")
-@click.option("--allow-secrets", is_flag=True, help="Publish a capsule whose memory holds credentials (inspect names them): whoever can pull it can read them.")
+@click.option("--allow-secrets", is_flag=True, help="Publish a capsule whose memory holds credentials (inspect names them): whoever can pull it can read them. Not needed for a capsule whose layers are all encrypted (encrypt).")
 @click.option("--sign", "sign_key", type=click.Path(exists=True, dir_okay=False), default=None, help="Sign the published manifest with this private key (cosign/sigstore or PEM ECDSA), as skopeo and cosign attach signatures.")
 @click.option("--passphrase-file", type=click.Path(exists=True, dir_okay=False), default=None, help="File whose first line is the --sign key's passphrase.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was pushed as JSON.")

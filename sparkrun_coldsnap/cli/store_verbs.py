@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from sparkrun_coldsnap.capsule import capsule as capsule_mod
-from sparkrun_coldsnap.capsule import gc
+from sparkrun_coldsnap.capsule import capsule_crypto, gc
 from sparkrun_coldsnap.cli.common import emit_json, open_store, plain_store_option
 from sparkrun_coldsnap.digests import short
 from sparkrun_coldsnap.errors import ColdsnapError
@@ -72,7 +72,8 @@ def inspect(capsule, store, as_json):
     click.echo("command:  %s" % c.workload.launch.command)
     click.echo("validation: %r -> %r" % (c.validation.prompt, c.validation.reply))
     # By name only: the images hold the values, and publish refuses them without --allow-secrets.
-    click.echo("credentials in memory: %s" % (", ".join(c.credentials) if c.credentials else "none"))
+    sealed = "; every layer encrypted" if capsule_crypto.fully_encrypted(cap) else ""
+    click.echo("credentials in memory: %s%s" % (", ".join(c.credentials) if c.credentials else "none", sealed))
     if c.weights.native is not None:
         d = native_payload.directory(c.weights.native)  # presence only: restores verify the digests
         where = "on this host, in %s" % d if d.is_dir() else "not on this host (restores take recovery)"

@@ -9,13 +9,14 @@ import dataclasses
 from concurrent.futures import Future
 from pathlib import Path
 
-from sparkrun_coldsnap.capsule import media
+from sparkrun_coldsnap.capsule import capsule_crypto, media
 from sparkrun_coldsnap.capsule.capsule import Capsule
 from sparkrun_coldsnap.capsule.pack import unpack_layer
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.compat.admission import admission
 from sparkrun_coldsnap.controller.common import Attempt, require_one_unit
 from sparkrun_coldsnap.controller.restore import PreparedRestore, Preparing, open_trusted, refuse_driver
+from sparkrun_coldsnap.documents import settings as settings_mod
 from sparkrun_coldsnap.documents.receipts import ReceiptBuilder, Weights
 from sparkrun_coldsnap.documents.request import RestoreRequest
 from sparkrun_coldsnap.documents.settings import Settings
@@ -180,7 +181,9 @@ def new_restore_staging(store: CapsuleStore, unpacked_bytes: int) -> Path:
 def check_admission(cap: Capsule, req: RestoreRequest, r: Resolved, *, replacing: frozenset[int] = frozenset()) -> tuple[list[str], weight_paths.WeightChoice | None]:
     """Admission of *cap* for *req* on this host, with this host's fingerprint."""
     here = r.fingerprint(req.workload, r.driver.checkpoint_tool_version())
-    return admission(cap.config, req, here, r.driver, r.adapter, replacing=replacing)
+    problems, choice = admission(cap.config, req, here, r.driver, r.adapter, replacing=replacing)
+    # Encrypted layers: the keys to open them are here, or the restore stops before anything does.
+    return [*problems, *capsule_crypto.key_problems(cap, settings_mod.current().decryption_keys)], choice
 
 
 def admit_here(
@@ -221,10 +224,12 @@ def unpacked_size(cap: Capsule) -> int:
 
 
 def unpack_capsule(store: CapsuleStore, cap: Capsule, staging: Path, rb: ReceiptBuilder, progress: Progress) -> None:
-    """Verify and unpack every layer of *cap* into *staging*."""
+    """Verify and unpack every layer of *cap* into *staging* (encrypted ones decrypted there, with
+    the keys COLDSNAP_DECRYPTION_KEY names: the store keeps only their ciphertext)."""
+    keys = capsule_crypto.decryption_keys(settings_mod.current().decryption_keys) if capsule_crypto.encrypted_layers(cap) else []
     with rb.phase("prepare.stage"), progress.transfer("verifying and unpacking capsule %s" % (cap.ref or cap.digest), sum(d.size for d in cap.layers)) as tick:
         for d in cap.layers:
-            unpack_layer(store, d, staging / "units", tick=tick)
+            unpack_layer(store, d, staging / "units", tick=tick, keys=keys)
 
 
 def after_hydration(r: Resolved, endpoint: Endpoint, hydrated: HydrationResult, choice: weight_paths.WeightChoice, rb: ReceiptBuilder) -> None:

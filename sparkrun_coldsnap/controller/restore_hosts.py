@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sparkrun_coldsnap.capsule import media
+from sparkrun_coldsnap.capsule import capsule_crypto, media
 from sparkrun_coldsnap.capsule.capsule import Capsule
 from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.controller import units_weights
@@ -65,6 +65,9 @@ class HostsRestore:
         """Every unit admitted on its host (its GPUs, its PIDs, its files, its part of the
         weights); the one weight path every host can take."""
         cap, req, hosts, units = p.capsule, p.req, self.hosts, self.units
+        if capsule_crypto.encrypted_layers(cap):
+            # Each host unpacks its own layers and no private key is sent to it.
+            raise CompatibilityError("admission refused for capsule %s: its layers are encrypted, which a restore across hosts does not decrypt: restore it on one host" % req.capsule.ref)
         hosts.check_reachable(units)
         answers = on_every_unit(units, lambda u: hosts.call(u, AdmitStep(config=cap.config, request=req, unit=u.name, pattern=hosts.rank_pattern(u)), timeout=300))
         refused = ["unit %s on host %s: %s" % (u.name, u.host, "; ".join(answers[u.name].problems)) for u in units if answers[u.name].problems]

@@ -123,6 +123,9 @@ class Settings:
     #: registry credential files besides ``~/.docker/config.json`` (``DOCKER_CONFIG``,
     #: ``REGISTRY_AUTH_FILE``, ``$XDG_RUNTIME_DIR/containers/auth.json``), existing or not.
     credential_files: tuple[Path, ...] = ()
+    #: ``COLDSNAP_DECRYPTION_KEY``: private keys (PEM paths, ``:``-separated) that open a capsule's
+    #: encrypted layers as a restore unpacks them.
+    decryption_keys: tuple[Path, ...] = ()
     #: the environment the plugin was started with: what host-process engines and the
     #: tools the plugin runs inherit.
     environ: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
@@ -166,6 +169,7 @@ class Settings:
             cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
             pyenv_root=_path(env["PYENV_ROOT"]) if env.get("PYENV_ROOT") else Path.home() / ".pyenv",
             credential_files=tuple(creds),
+            decryption_keys=tuple(_path(p) for p in env.get("COLDSNAP_DECRYPTION_KEY", "").split(os.pathsep) if p),
             environ=MappingProxyType(env),
         )
 
