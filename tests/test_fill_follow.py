@@ -207,7 +207,7 @@ def test_a_staging_job_hands_the_copy_over_before_it_is_filled_or_none_when_it_e
     go = threading.Event()
     copies = []
 
-    def stage(cfg, choice, rb, progress, *, on_ready=None, from_packed=None):
+    def stage(cfg, choice, rb, progress, *, on_ready=None, from_packed=None, shared=False):
         def ready(staged):
             on_ready(staged)
             go.wait(10)  # held until the test has seen the early copy

@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu/container_path.sh recipe    # only write the two recipes
 #   bash benchmarks/gpu/container_path.sh capture   # sparkrun coldsnap capture of the container recipe
 #   bash benchmarks/gpu/container_path.sh path      # run (restored), status, chat, logs, stop, run, run again (replacement), stop
+#   bash benchmarks/gpu/container_path.sh replace   # run (restored), run again while it serves (the replacement), chat, stop
 #   bash benchmarks/gpu/container_path.sh bench     # sparkrun coldsnap bench: vanilla container starts and restores alternated
 #   bash benchmarks/gpu/container_path.sh host-capture  # the same model as host processes (executor: local): capture
 #   bash benchmarks/gpu/container_path.sh host-bench    # ... and its bench, the comparison measured the same day
@@ -203,6 +204,18 @@ case "$MODE" in
     wait_gpu_released
     docker ps -a --format '{{.Names}} {{.Status}}'
     ;;
+  replace)
+    use_plugin
+    model_id=$(awk '/^model:/ {print $2}' "$DOCKER_RECIPE")
+    restored run "$DOCKER_RECIPE"
+    first=$(docker ps -q)
+    restored "run (replacement)" "$DOCKER_RECIPE"
+    if [ -n "$(docker ps -q)" ] && [ "$(docker ps -q)" != "$first" ] && [ "$(docker ps -q | wc -l)" = 1 ]; then echo "replaced: one container serves, a new one"; else echo "not replaced"; docker ps -a; FAILED=1; fi
+    step chat chat "$model_id" || FAILED=1
+    step stop sparkrun stop "$DOCKER_RECIPE" || FAILED=1
+    wait_gpu_released
+    if [ -z "$(docker ps -aq)" ]; then echo "no container left"; else docker ps -a; FAILED=1; fi
+    ;;
   bench)
     use_plugin
     step "bench container" sparkrun coldsnap bench "$DOCKER_RECIPE" --samples "$SAMPLES" --out "$RESULTS/bench-container" || FAILED=1
@@ -219,7 +232,7 @@ case "$MODE" in
     use_plugin
     restores host-restore "$HOST_RECIPE"
     ;;
-  *) echo "usage: $0 setup|recipe|capture|path|bench|host-capture|host-bench|host-restores" >&2; exit 2 ;;
+  *) echo "usage: $0 setup|recipe|capture|path|replace|bench|host-capture|host-bench|host-restores" >&2; exit 2 ;;
 esac
 echo
 awk -F'\t' '{printf "  %-24s %8.2f s  exit %s  GPU %s MiB\n", $1, $2, $3, $4}' "$STEPS"
