@@ -276,7 +276,7 @@ def test_preparation_reads_what_the_restore_needs_first_and_the_payload_behind_t
     files_go, payload_began = threading.Event(), threading.Event()
     staged = SimpleNamespace(details={}, discard=lambda: events.append("discarded"))
     programs = (tmp_path / "criu",)
-    r = SimpleNamespace(driver=SimpleNamespace(program_files=lambda units=(): programs), adapter=SimpleNamespace(maps_native=True), launcher=SimpleNamespace(stage_phase="prepare.warm_up", stage=lambda *a, **k: staged))
+    r = SimpleNamespace(driver=SimpleNamespace(program_files=lambda units=(): programs), adapter=SimpleNamespace(maps_native=True), launcher=SimpleNamespace(executor="local", stage_phase="prepare.warm_up", stage=lambda *a, **k: staged))
     cap = SimpleNamespace(layers=[SimpleNamespace(digest="sha256:" + "a" * 64)], config=SimpleNamespace(units=[SimpleNamespace(name="unit")]))
     store = SimpleNamespace(blob_path=lambda digest: tmp_path / digest)
     monkeypatch.setattr(restore, "open_trusted", lambda *a, **k: cap)

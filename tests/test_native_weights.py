@@ -173,6 +173,7 @@ def test_auto_falls_back_to_recovery_and_says_why(use_settings, tmp_path):
 
     class Cfg:
         weights = WeightsRecord(location="external", model_id="m", revision="r", files=(), native=gone)
+        units = ()
 
     auto = weight_paths.choose(Cfg, "auto", adapter)
     assert (auto.path, auto.problem) == ("recovery", None) and "not on this host" in auto.note
