@@ -47,6 +47,7 @@ def _sparkrun() -> list[Check]:
                          "sparkrun plugins enable coldsnap"))  # fmt: skip
     else:
         out.append(Check("plugin", "ok", "coldsnap plugin enabled (%s)" % (st["reason"] or "config")))
+    out.append(_name_claims())
     try:
         from sparkrun.core.features import feature_gate_enabled
 
@@ -56,6 +57,17 @@ def _sparkrun() -> list[Check]:
     except Exception as err:  # noqa: BLE001
         out.append(Check("executor.local", "warn", "cannot read sparkrun features: %s" % err))
     return out
+
+
+def _name_claims() -> Check:
+    """Another ColdSnap plugin under the same name: sparkrun then loads neither."""
+    from sparkrun_coldsnap.integration.name_claims import other_claimants
+
+    others = other_claimants()
+    if not others:
+        return Check("coldsnap name", "ok", "no other plugin claims 'coldsnap' (sparkrun's plugin id, recipe key, command group, feature plugins.coldsnap)")
+    return Check("coldsnap name", "fail", "another plugin claims 'coldsnap': %s; sparkrun loads neither (`sparkrun coldsnap` is no command, launches stop)" % "; ".join(o.line() for o in others),
+                 "; ".join(o.remove for o in others))  # fmt: skip
 
 
 _SOURCE = {
