@@ -70,6 +70,7 @@ def test_setup_again_changes_nothing_until_the_private_criu_changes(runc_path, u
     docker_install.criu_for_runc(said.append)
     assert len(said) == 1 and (host / "etc" / "criu-upgraded").read_text() == "4.2.2\n"
     assert not list(host.parent.glob(".criu.*"))  # no staging or old copy left beside it
+    assert [p.name for p in wrapper.parent.iterdir()] == ["criu"]  # nor a staged wrapper
 
 
 def test_a_link_out_of_the_private_prefix_is_refused(tmp_path):

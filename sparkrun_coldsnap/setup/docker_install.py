@@ -109,10 +109,12 @@ def criu_for_runc(log) -> None:
         raise ToolError("the copy of the private CRIU at %s has no loader or criu: run `sparkrun coldsnap setup --criu`, then setup --docker again" % CRIU_HOST_PREFIX)
     text = criu_tool.wrapper_script(host)
     wrote = not (CRIU_WRAPPER.exists() and CRIU_WRAPPER.read_text() == text)
-    if wrote:
+    if wrote:  # swapped in whole: a checkpoint starting meanwhile runs the old one or the new one
         CRIU_WRAPPER.parent.mkdir(parents=True, exist_ok=True)
-        CRIU_WRAPPER.write_text(text)
-        CRIU_WRAPPER.chmod(0o755)
+        staged = CRIU_WRAPPER.with_name(".%s.new-%d" % (CRIU_WRAPPER.name, os.getpid()))
+        staged.write_text(text)
+        staged.chmod(0o755)
+        os.replace(staged, CRIU_WRAPPER)
     if copied or wrote:
         log("installed %s for runc (it calls criu from PATH): it runs %s, a root-owned copy of the private CRIU in %s that every user's docker can run"
             % (CRIU_WRAPPER, CRIU_HOST_PREFIX, paths.criu_prefix()))  # fmt: skip
