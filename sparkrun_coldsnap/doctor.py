@@ -47,6 +47,7 @@ def _sparkrun() -> list[Check]:
                          "sparkrun plugins enable coldsnap"))  # fmt: skip
     else:
         out.append(Check("plugin", "ok", "coldsnap plugin enabled (%s)" % (st["reason"] or "config")))
+    out.append(_name_claims())
     try:
         from sparkrun.core.features import feature_gate_enabled
 
@@ -56,6 +57,17 @@ def _sparkrun() -> list[Check]:
     except Exception as err:  # noqa: BLE001
         out.append(Check("executor.local", "warn", "cannot read sparkrun features: %s" % err))
     return out
+
+
+def _name_claims() -> Check:
+    """Another ColdSnap plugin under the same name: sparkrun then loads neither."""
+    from sparkrun_coldsnap.integration.name_claims import other_claimants
+
+    others = other_claimants()
+    if not others:
+        return Check("coldsnap name", "ok", "no other plugin claims 'coldsnap' (sparkrun's plugin id, recipe key, command group, feature plugins.coldsnap)")
+    return Check("coldsnap name", "fail", "another plugin claims 'coldsnap': %s; sparkrun loads neither (`sparkrun coldsnap` is no command, launches stop)" % "; ".join(o.line() for o in others),
+                 "; ".join(o.remove for o in others))  # fmt: skip
 
 
 _SOURCE = {
@@ -109,10 +121,14 @@ def _wrapper_check(c: criu_tool.CriuCandidate) -> Check:
     detail = "%s is the wrapper `setup --docker` wrote for runc (not a distribution criu): it runs the private criu %s at %s" % (c.path, c.version or "?", target)
     if not c.usable:
         return Check("criu (runc wrapper)", "warn", "%s, which cannot run: %s" % (detail, c.problem), "sparkrun coldsnap setup --criu && sparkrun coldsnap setup --docker")
+    host = criu_tool.private_argv(criu_tool.HOST_PREFIX)
+    if host is not None and tuple(host) == tuple(c.argv):
+        return Check("criu (runc wrapper)", "ok", "%s (the root-owned copy in %s, the same for every user)" % (detail, criu_tool.HOST_PREFIX))
     if mine is None or tuple(mine) != tuple(c.argv):
         return Check("criu (runc wrapper)", "warn", "%s, the private CRIU of another home directory than %s" % (detail, paths.criu_prefix()),
                      "run `sparkrun coldsnap setup --docker` as the user whose CRIU runc should run")  # fmt: skip
-    return Check("criu (runc wrapper)", "ok", detail)
+    return Check("criu (runc wrapper)", "warn", "%s, in this home: another user's docker cannot rely on it, and moving this home breaks it" % detail,
+                 "sparkrun coldsnap setup --docker (copies it to %s, owned by root)" % criu_tool.HOST_PREFIX)  # fmt: skip
 
 
 def _host() -> list[Check]:

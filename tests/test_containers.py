@@ -92,6 +92,23 @@ def assert_nothing_left(unpacked_before: set, timeout: float = 20.0) -> None:
     assert in_docker_cgroups() == []
 
 
+def containerd_left() -> set[str]:
+    """containerd's containers and tasks in docker's namespace, and the shims that run tasks: a task
+    docker lost sight of (state CREATED, its shim running) is invisible to ``docker ps -a``."""
+    found: set[str] = set()
+    for sock in ("/var/run/docker/containerd/containerd.sock", "/run/containerd/containerd.sock"):
+        if not os.path.exists(sock):
+            continue
+        for what in ("containers", "tasks"):
+            cp = subprocess.run(["ctr", "-a", sock, "-n", "moby", what, "ls"], capture_output=True, text=True, timeout=60)
+            assert cp.returncode == 0, cp.stderr
+            found.update("%s %s" % (what, line.split()[0]) for line in cp.stdout.splitlines()[1:] if line.strip())
+    for p in psutil.process_iter(["name", "cmdline"]):
+        if (p.info["name"] or "").startswith("containerd-shim"):
+            found.add("shim %s" % " ".join(p.info["cmdline"] or []))
+    return found
+
+
 def ask() -> str:
     body = {"model": "coldsnap/tiny-qwen2", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16, "temperature": 0, "seed": 0}
     r = requests.post("http://127.0.0.1:8000/v1/chat/completions", json=body, timeout=60)
@@ -277,6 +294,7 @@ def test_a_daemon_restart_during_the_restore_leaves_nothing_behind(captured, spa
 
     store, recipe, _ = captured
     unpacked_before = unpacked_checkpoints()
+    containerd_before = containerd_left()
     argv = [str(BIN / "sparkrun"), "run", str(recipe), "-H", "localhost", "--no-follow"]
     run = subprocess.Popen(argv, env=sparkrun.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -293,3 +311,9 @@ def test_a_daemon_restart_during_the_restore_leaves_nothing_behind(captured, spa
     errors = [l for l in stderr.splitlines() if l.startswith("Error:")]
     assert len(errors) == 1 and "the docker daemon went away while restoring" in errors[0], stderr[-2000:]
     assert_nothing_left(unpacked_before)
+    # nor a containerd task, its shim or its container, which docker no longer lists (the shim
+    # exits once its task is deleted: a moment)
+    deadline = time.monotonic() + 20
+    while containerd_left() - containerd_before:
+        assert time.monotonic() < deadline, "left in containerd: %s" % (containerd_left() - containerd_before)
+        time.sleep(0.2)

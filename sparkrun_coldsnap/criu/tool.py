@@ -7,9 +7,11 @@ an inet socket on kernels >= 6.16), so where the system has none that works,
 run through that prefix's own dynamic loader because it needs a newer libc
 than the host's.
 
-``setup --docker`` puts a two-line wrapper of that private CRIU first on PATH
-(:data:`WRAPPER`), because runc runs whichever ``criu`` PATH gives it. That
-wrapper is recognized as what it is, never taken for the distribution's CRIU.
+``setup --docker`` copies that private CRIU to a root-owned host-wide prefix
+(:data:`HOST_PREFIX`) and puts a two-line wrapper of the copy first on PATH
+(:data:`WRAPPER`), because runc runs whichever ``criu`` PATH gives it, for every
+user's docker. That wrapper is recognized as what it is, never taken for the
+distribution's CRIU.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ MIN_VERSION = (4, 2)
 #: where ``setup --docker`` writes the wrapper runc runs, and the line that marks it as ours
 WRAPPER = Path("/usr/local/sbin/criu")
 WRAPPER_MARK = "# CRIU 4.2 from the private prefix, for runc."
+#: where ``setup --docker`` copies the private CRIU for that wrapper: owned by root and the same
+#: for every user, so what runc runs does not depend on whose home ran the set-up
+HOST_PREFIX = Path("/usr/local/lib/sparkrun-coldsnap/criu")
 DPKG_LIST = Path("/var/lib/dpkg/info/criu.list")
 #: where CRIU looks for its plugins: compiled in (``/usr/lib/criu`` for every build here), the
 #: host's folder even for the private prefix's CRIU

@@ -24,11 +24,12 @@ def register(v: Any) -> None:
     """Called by sparkrun once the plugin is enabled."""
     from sparkrun.plugins import register_cli_command, register_hardware_probe, register_recipe_item
 
-    from sparkrun_coldsnap.integration import cpu_platform, lifecycle_provider
+    from sparkrun_coldsnap.integration import cpu_platform, lifecycle_provider, name_claims
     from sparkrun_coldsnap.integration.probe import PROBE_SCRIPT, add_cpu_accelerator
     from sparkrun_coldsnap.integration.recipe_item import KEY, OWNER, RecipeItem
     from sparkrun_coldsnap.integration.strategy import Strategy
 
+    name_claims.check_unclaimed()  # one line naming the other ColdSnap plugin, before anything is registered
     register_recipe_item(KEY, RecipeItem(), owner=OWNER, execution_strategy=Strategy())
     register_hardware_probe(OWNER, script=PROBE_SCRIPT, enrich=add_cpu_accelerator)
     cpu_platform.register()

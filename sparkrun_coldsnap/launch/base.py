@@ -22,6 +22,23 @@ if TYPE_CHECKING:
 
 Progress = Callable[[str], None]
 
+#: what tells the hub client (and transformers) to read only local files
+HUB_OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def hub_offline(workload: Workload, env: Mapping[str, str]) -> dict[str, str]:
+    """*env* with the hub client told to stay offline, where the workload's weights are local.
+
+    Its revision is pinned (the request refuses any other) and its files are on this host, so
+    the engine has nothing to fetch; left online, vLLM's start asks the hub about the model
+    over and over until each request times out (tens of seconds on a machine without a
+    network). A value the environment already sets (the recipe's) is kept."""
+    out = dict(env)
+    if workload.model.path is not None:
+        for name, value in HUB_OFFLINE_ENV.items():
+            out.setdefault(name, value)
+    return out
+
 
 class RunningUnit(Protocol):
     """A started or restored unit: the root of its process tree and how to stop it."""

@@ -18,7 +18,8 @@ Activation (on the clock):
 
 Faults leave nothing behind: the container is removed (docker's ``--rm`` removes a
 container whose start failed, and a restarted daemon removes one it finds half-started),
-and so are the daemon, the images and the unpacked copy. A daemon that went away is
+and so are the daemon, the images, the unpacked copy, and the task and container a daemon
+that died mid-start left in containerd (containerd_leftovers.py). A daemon that went away is
 waited for, so that the container can be removed once it is back.
 """
 
@@ -35,7 +36,7 @@ from sparkrun_coldsnap.criu.tool import Criu, log_tail
 from sparkrun_coldsnap.errors import RestoreError, ToolError
 from sparkrun_coldsnap.host import disk_room, paths, xstate_perm
 from sparkrun_coldsnap.host.threads import start_thread
-from sparkrun_coldsnap.launch import checkpoint_leftovers, checkpoint_links, lazy_runtime, volume_files
+from sparkrun_coldsnap.launch import checkpoint_leftovers, checkpoint_links, containerd_leftovers, lazy_runtime, volume_files
 from sparkrun_coldsnap.launch import docker as d
 
 #: What docker's root must hold beyond the writable layer: the container's config,
@@ -201,6 +202,10 @@ def _give_up(unit: d.ContainerUnit, reason: str) -> None:
         # the daemon gone there was none to look in before it came back.
         _drop_unpacked(images)
     unit.remove()  # docker rm -f, and the images
+    if back:
+        # A daemon that died mid-start forgot the container but left containerd's task (its
+        # shim running) and container, which docker no longer lists.
+        containerd_leftovers.remove(unit.container_id)
     if not back:
         raise RestoreError(
             "the docker daemon went away while restoring %s (%s) and has not come back within %.0f s: once dockerd runs, remove the container with `docker rm -f %s`" % (unit.name, reason, DAEMON_RETURN_SECONDS, unit.container_id[:12])

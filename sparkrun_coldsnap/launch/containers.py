@@ -16,7 +16,7 @@ from sparkrun_coldsnap.errors import CaptureError, RestoreError
 from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.host.process_tree import tree_pids
 from sparkrun_coldsnap.launch import checkpoint_leftovers, container_restore, docker, gpu_container, gpu_devices
-from sparkrun_coldsnap.launch.base import Launcher, Progress, RunningUnit
+from sparkrun_coldsnap.launch.base import Launcher, Progress, RunningUnit, hub_offline
 from sparkrun_coldsnap.launch.docker import ContainerSpec
 from sparkrun_coldsnap.weights import container_mounts
 
@@ -85,7 +85,7 @@ class Containers(Launcher):
     summary = "Docker containers: captured with docker checkpoint, restored into a new container under sparkrun's name"
 
     def engine_env(self, workload: Workload, engine_env: EngineEnv | None, base_env: Mapping[str, str]) -> dict[str, str]:
-        return dict(workload.launch.env)  # a container gets only the workload's
+        return hub_offline(workload, workload.launch.env)  # a container gets only the workload's
 
     def check_capturable(self) -> None:
         docker.check_checkpointing()

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from sparkrun_coldsnap.host import file_drift, paths
 from sparkrun_coldsnap.host.file_drift import RecordedFile
 from sparkrun_coldsnap.host.process_tree import tree_pids
-from sparkrun_coldsnap.launch.base import Launcher, Progress, RunningUnit
+from sparkrun_coldsnap.launch.base import Launcher, Progress, RunningUnit, hub_offline
 from sparkrun_coldsnap.launch.local import StartedUnit, start_unit
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ class HostProcesses(Launcher):
 
     def engine_env(self, workload: Workload, engine_env: EngineEnv | None, base_env: Mapping[str, str]) -> dict[str, str]:
         # A host process inherits the plugin's environment, as sparkrun's local executor's would.
-        env = {**base_env, **workload.launch.env}
+        env = hub_offline(workload, {**base_env, **workload.launch.env})
         return engine_env.apply(env) if engine_env else env
 
     def start(self, workload: Workload, command: str, env: Mapping[str, str], *, log_path: Path, name: str, labels: Mapping[str, str] | None = None) -> RunningUnit:

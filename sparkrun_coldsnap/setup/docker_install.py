@@ -32,7 +32,7 @@ from sparkrun_coldsnap.host import paths
 from sparkrun_coldsnap.host.runner import run
 from sparkrun_coldsnap.launch import docker as docker_unit
 from sparkrun_coldsnap.launch import lazy_runtime
-from sparkrun_coldsnap.setup import debian_packages
+from sparkrun_coldsnap.setup import criu_host_copy, debian_packages
 
 IMAGE = "coldsnap/vllm-cpu:0.32.0"
 DAEMON_JSON = Path("/etc/docker/daemon.json")
@@ -40,6 +40,7 @@ DOCKERD_PIDFILE = Path("/var/run/docker.pid")
 #: Where dockerd records the containerd it started.
 CONTAINERD_PIDFILE = Path("/var/run/docker/containerd/containerd.pid")
 CRIU_WRAPPER = criu_tool.WRAPPER
+CRIU_HOST_PREFIX = criu_tool.HOST_PREFIX
 ROOTFS_PACKAGES = ("python3", "python3-dev", "libnuma1", "g++", "procps", "ca-certificates")
 
 
@@ -100,18 +101,28 @@ def criu_for_runc(log) -> None:
     first = criu_tool.for_runc()
     if first is not None and first.usable and first.source != "wrapper":
         return  # a CRIU that works is already there (the distribution's, or one installed by hand)
-    private = criu_tool.private_argv()
-    if private is None:
+    if criu_tool.private_argv() is None:
         raise ToolError("no CRIU >= 4.2 to give docker: run `sparkrun coldsnap setup --criu` first")
-    text = criu_tool.wrapper_script(private)
-    if not (CRIU_WRAPPER.exists() and CRIU_WRAPPER.read_text() == text):
+    copied = criu_host_copy.install(paths.criu_prefix(), CRIU_HOST_PREFIX)
+    host = criu_tool.private_argv(CRIU_HOST_PREFIX)
+    if host is None:
+        raise ToolError("the copy of the private CRIU at %s has no loader or criu: run `sparkrun coldsnap setup --criu`, then setup --docker again" % CRIU_HOST_PREFIX)
+    text = criu_tool.wrapper_script(host)
+    wrote = not (CRIU_WRAPPER.exists() and CRIU_WRAPPER.read_text() == text)
+    if wrote:  # swapped in whole: a checkpoint starting meanwhile runs the old one or the new one
         CRIU_WRAPPER.parent.mkdir(parents=True, exist_ok=True)
-        CRIU_WRAPPER.write_text(text)
-        CRIU_WRAPPER.chmod(0o755)
-        log("installed %s, running the private CRIU in %s (runc calls criu from PATH)" % (CRIU_WRAPPER, paths.criu_prefix()))
+        staged = CRIU_WRAPPER.with_name(".%s.new-%d" % (CRIU_WRAPPER.name, os.getpid()))
+        staged.write_text(text)
+        staged.chmod(0o755)
+        os.replace(staged, CRIU_WRAPPER)
+    if copied or wrote:
+        log("installed %s for runc (it calls criu from PATH): it runs %s, a root-owned copy of the private CRIU in %s that every user's docker can run"
+            % (CRIU_WRAPPER, CRIU_HOST_PREFIX, paths.criu_prefix()))  # fmt: skip
     first = criu_tool.for_runc()
     if first is None or Path(first.path) != CRIU_WRAPPER:
         raise ToolError("runc would run %s, not %s: put %s before it on PATH (dockerd's too), then run setup --docker again" % (first.path if first else "no criu", CRIU_WRAPPER, CRIU_WRAPPER.parent))
+    if not first.usable:
+        raise ToolError("%s cannot run the CRIU copied to %s: %s; run `sparkrun coldsnap setup --criu`, then setup --docker again" % (CRIU_WRAPPER, CRIU_HOST_PREFIX, first.problem))
 
 
 def runc_options(log) -> None:
