@@ -72,6 +72,7 @@ class N580Driver(CriuDriver):
     weights_in_image = False
     boundary = "template"
     engine_loads_weights = True
+    carries_engine_caches = True
 
     def launch_command(self, command: str, adapter: EngineAdapter, settings: Settings) -> str:
         return template_command(command, module_for_script=adapter.console_scripts, preload=settings.template_preload or adapter.template_preload)
