@@ -145,3 +145,28 @@ def test_a_capsule_without_caches_is_written_as_before(tmp_path):
     cap = make_capsule(CapsuleStore(tmp_path / "store"), tmp_path)
     assert cap.config.engine_caches is None
     assert "engine_caches" not in json.loads(json.dumps(cap.config.model_dump(mode="json")))
+
+
+def test_an_encrypted_capsule_puts_its_caches_back_with_the_key(cache_root, tmp_path):
+    """Encrypting keeps the config, whose record names the plaintext layer: the encrypted one is
+    known by its type, admitted, and decrypted into the directory with the key the setting names."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from sparkrun_coldsnap.capsule import capsule_crypto, layer_crypto
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    private, public = tmp_path / "key.pem", tmp_path / "key.pub.pem"
+    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    store = CapsuleStore(tmp_path / "store")
+    plain, files = cached_capsule(tmp_path, store)
+    enc = capsule_crypto.encrypt(store, "cached:latest", [layer_crypto.load_public_key(public)])
+    (desc,) = [d for d in enc.layers if engine_caches.is_cache_layer(d)]
+    assert layer_crypto.is_encrypted(desc) and enc.config.engine_caches == plain.config.engine_caches
+    assert engine_caches.problems(store, REQUEST, enc.config.engine_caches, enc.layers) == []
+    shutil.rmtree(cache_root)
+    with settings_mod.using(settings_mod.current().replace(decryption_keys=(private,))):
+        unpack_capsule(store, enc, tmp_path / "staging", ReceiptBuilder("restore"), QUIET)
+    where = engine_caches.directory(REQUEST)
+    assert {rel: (where / rel).read_bytes() for rel in files} == files

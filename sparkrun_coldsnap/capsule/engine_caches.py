@@ -103,21 +103,26 @@ def is_cache_layer(desc: Descriptor) -> bool:
 
 
 def _layer(record: EngineCaches | None, layers: Sequence[Descriptor]) -> Descriptor | None:
-    return next((d for d in layers if record is not None and d.digest == record.layer and is_cache_layer(d)), None)
+    # An encrypted layer's digest is its ciphertext's, while the config names the plaintext's
+    # (encrypting keeps the config): that one is known by its type, and checked as it is decrypted.
+    if record is None:
+        return None
+    return next((d for d in layers if is_cache_layer(d) and (d.digest == record.layer or layer_crypto.is_encrypted(d))), None)
 
 
 def problems(store: CapsuleStore, request_sha256: str, record: EngineCaches | None, layers: Sequence[Descriptor]) -> list[str]:
     """Why a capsule's engine caches (its config's *record*, its *layers*, the digest of the
     request it was captured for) cannot be put back here: its record and its layers disagree,
     this host's root differs from the one the engine holds, or the layer is damaged."""
-    stray = [d for d in layers if is_cache_layer(d) and (record is None or d.digest != record.layer)]
-    if stray:
-        return ["the capsule holds an engine cache layer %s its config does not describe: recapture" % short(stray[0].digest)]
+    found = [d for d in layers if is_cache_layer(d)]
+    if found and (record is None or len(found) > 1):
+        return ["the capsule holds %d engine cache layer(s) its config does not describe: recapture" % len(found)]
     if record is None:
         return []
     desc = _layer(record, layers)
     if desc is None:
-        return ["the capsule's config names engine cache layer %s, which its manifest does not hold: recapture" % short(record.layer)]
+        held = " (it holds %s)" % short(found[0].digest) if found else ""
+        return ["the capsule's config names engine cache layer %s, which its manifest does not hold%s: recapture" % (short(record.layer), held)]
     expected = directory(request_sha256)
     if Path(record.directory) != expected:
         return ["the captured engine reads its caches in %s, this host would put them in %s: set COLDSNAP_ENGINE_CACHE_ROOT=%s here" % (
