@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tarfile
 from pathlib import Path
 
@@ -170,3 +171,60 @@ def test_an_encrypted_capsule_puts_its_caches_back_with_the_key(cache_root, tmp_
         unpack_capsule(store, enc, tmp_path / "staging", ReceiptBuilder("restore"), QUIET)
     where = engine_caches.directory(REQUEST)
     assert {rel: (where / rel).read_bytes() for rel in files} == files
+
+
+def test_an_n580_capture_carries_what_its_engine_compiled_and_a_restore_on_an_empty_node_finds_it(criu, tmp_path):
+    """The whole story through the API, real CRIU, the FAKE SGLang server as the engine (it
+    compiles FAKE kernels into its Inductor and Triton caches after the template's boundary) on a
+    FAKE GPU host: the capture's engine compiles (miss); the caches' root is emptied, as on a
+    node that never ran the engine; the restored template finds every kernel (hit); a damaged
+    cache layer is refused at admission."""
+    import requests
+    from conftest import hf_home
+    from gpu_fixtures import engine_env, fake_gpu_host
+    from registry_fixtures import free_port
+
+    from sparkrun_coldsnap import api
+    from sparkrun_coldsnap.documents.request import CapsuleRef, CaptureRequest, Launch, LaunchUnit, ModelRef, RestoreRequest, Topology, ValidationSpec, Workload
+    from sparkrun_coldsnap.documents.settings import Settings
+    from sparkrun_coldsnap.errors import CompatibilityError
+    from sparkrun_coldsnap.host.process_tree import kill_tree
+
+    snap = next((hf_home() / "hub" / "models--coldsnap--tiny-qwen2" / "snapshots").iterdir())
+    port, root = free_port(), tmp_path / "engine-caches"
+    v, name = ValidationSpec(prompt="hello", max_tokens=8), CapsuleRef(name="template-caches")
+    with fake_gpu_host(tmp_path / "fake-cuda"):
+        env = engine_env()
+        env["PYTHONPATH"] = "%s:%s" % (env["PYTHONPATH"], Path(__file__).parent / "fakes")
+        command = "%s -m fake_sglang --model-path %s --port %d --fake-compile-cache" % (sys.executable, snap, port)
+        w = Workload(
+            recipe="template-caches", engine="sglang", runtime="sglang", model=ModelRef(id="coldsnap/tiny-qwen2", revision=snap.name, path=str(snap)),
+            topology=Topology(hosts=("localhost",), units=(LaunchUnit(name="solo", host="localhost"),)),
+            launch=Launch(executor="local", command=command, port=port, env=env), driver="n580",
+        )  # fmt: skip
+        # The FAKE engine imports no torch: the template's boundary comes after what it does import.
+        settings = Settings.from_environ({**os.environ, "COLDSNAP_ENGINE_CACHE_ROOT": str(root), "COLDSNAP_TEMPLATE_PRELOAD": "json,http.server"})
+        with settings_mod.using(settings):
+            store = CapsuleStore(tmp_path / "store")
+            out = api.capture(CaptureRequest(workload=w, validation=v, capsule=name, ready_timeout_seconds=60), store=store)
+            assert out.capsule is not None and out.receipt.state == "succeeded"
+            record = out.capsule.config.engine_caches
+            assert record is not None and Path(record.directory) == engine_caches.directory(out.capsule.config.request_sha256)
+            assert {c.name: c.files for c in record.caches if c.files} == {"torchinductor": 1, "triton": 1}
+            assert out.receipt.details["engine_caches"]["layer"] == record.layer and "pack_engine_caches" in {p.name for p in out.receipt.phases}
+            assert any(d.digest == record.layer for d in out.capsule.layers)
+            shutil.rmtree(root)  # a node whose caches are empty
+            req = RestoreRequest(workload=w, validation=v, capsule=name, on_missing="fail", on_incompatible="fail", workload_name="coldsnap-template-caches")
+            done = api.restore(req, store=store)
+            try:
+                assert requests.get("http://127.0.0.1:%d/fake/compile_cache" % port, timeout=10).json() == {"TORCHINDUCTOR_CACHE_DIR": "hit", "TRITON_CACHE_DIR": "hit"}
+                assert done.how == "restored" and done.outcome.receipt.details["engine_caches"]["files_written"] == 2
+            finally:
+                kill_tree(done.outcome.root_pid, grace=2.0)
+            blob = store.blob_path(record.layer)
+            blob.chmod(0o644)
+            data = bytearray(blob.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            blob.write_bytes(bytes(data))
+            with pytest.raises(CompatibilityError, match="engine cache layer .* is damaged"):
+                api.restore(req, store=store)
