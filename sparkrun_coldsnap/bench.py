@@ -18,7 +18,7 @@ import platform
 import statistics
 import textwrap
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -116,15 +116,20 @@ def summary(values: list[float]) -> dict[str, float]:
 def run_paths(
     vanilla: RestoreRequest, restores: Mapping[str, tuple[RestoreRequest, CapsuleStore]], *, samples: int, progress: Progress,
     drop_cache: bool = True, settings_for: Mapping[str, Settings] | None = None, with_vanilla: bool = True,
+    before_each: Callable[[str], None] | None = None,
 ) -> list[Sample]:  # fmt: skip
     """Alternate a vanilla start and every restore path, *samples* times; *settings_for* gives
     a path settings of its own (the plugin's switches) while it restores. Without
-    *with_vanilla*, the restores alone: a check that each path works, with no ratio."""
+    *with_vanilla*, the restores alone: a check that each path works, with no ratio.
+    *before_each* runs before each start and each restore's preparation, given its path's
+    name (a bench that empties the engine's compile caches, as on a fresh node)."""
     log_dir = paths.run_dir() / "bench"
     log_dir.mkdir(parents=True, exist_ok=True)
     results: list[Sample] = []
     for i in range(samples):
         if with_vanilla:
+            if before_each is not None:
+                before_each(VANILLA)
             if drop_cache:
                 drop_page_cache()
             progress.step("sample %d/%d: vanilla start" % (i + 1, samples))
@@ -134,6 +139,8 @@ def run_paths(
             progress.note("vanilla: first token after %.2f s" % (v.ttft_seconds or 0))
         for name, (req, store) in restores.items():
             time.sleep(1.0)  # let the stopped tree's memory go back first
+            if before_each is not None:
+                before_each(name)
             if drop_cache:
                 drop_page_cache()
             progress.step("sample %d/%d: restore (%s)" % (i + 1, samples, name))

@@ -140,7 +140,7 @@ def collect() -> Capabilities:
             capabilities=CAPABILITIES_FORMAT,
             artifact_type=media.ARTIFACT_TYPE,
             config_media_type=media.CONFIG_MEDIA_TYPE,
-            layer_media_types=media.LAYER_TYPES,
+            layer_media_types=(*media.LAYER_TYPES, *media.ENGINE_CACHE_TYPES),
             companion_artifact_types={"weights": media.WEIGHTS_ARTIFACT_TYPE, "native_weights": media.NATIVE_ARTIFACT_TYPE},
         ),
         stores=("oci-image-layout",),

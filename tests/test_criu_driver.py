@@ -25,6 +25,7 @@ from sparkrun_coldsnap.host.process_tree import kill_tree, tree_pids
 from sparkrun_coldsnap.launch.local import start_unit
 
 SERVER = Path(__file__).parent / "workloads" / "server.py"
+FAKES = Path(__file__).parent / "fakes"
 
 
 def wait_http(url: str, timeout: float = 30) -> str:
@@ -197,6 +198,64 @@ def test_template_boundary_dump_resume_and_restore(criu, tmp_path):
         assert wait_http("http://127.0.0.1:%d/state" % port).strip() == "1"  # a fresh start past the boundary
     finally:
         kill_tree(restored.root_pid)
+
+
+def test_template_carries_its_engine_caches_to_a_node_with_none(criu, tmp_path):
+    """The n580 template with a FAKE engine that compiles after the boundary into the caches its
+    environment names: the capture's engine compiles (miss), the caches travel as a layer, and
+    the template restored where they were emptied finds them put back (hit); the one cache the
+    recipe placed itself is not carried (miss again)."""
+    import json
+    import shutil
+
+    from sparkrun_coldsnap.capsule import engine_caches
+    from sparkrun_coldsnap.capsule.store import CapsuleStore
+    from sparkrun_coldsnap.documents import settings as settings_mod
+    from sparkrun_coldsnap.drivers.n580 import N580Driver, template_command, wait_for_boundary
+    from sparkrun_coldsnap.engines.vllm import VllmAdapter
+
+    root, request, port = tmp_path / "engine-caches", "sha256:" + "7c" * 32, free_port()
+    recipe_triton = tmp_path / "recipe-triton"
+    caches = "VLLM_CACHE_ROOT,TORCHINDUCTOR_CACHE_DIR,TRITON_CACHE_DIR"
+    cmd = template_command("%s -m fake_compiling_engine --port %d --caches %s" % (sys.executable, port, caches), module_for_script={}, preload=("json", "http.server", "hashlib"))
+    driver = N580Driver()
+    with settings_mod.using(settings_mod.current().replace(engine_cache_root=root)):
+        base = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(FAKES), "TRITON_CACHE_DIR": str(recipe_triton)}
+        env, pointed = engine_caches.point(base, VllmAdapter.compile_caches, engine_caches.directory(request))
+        with io_uring_disabled():
+            unit = start_unit(cmd, env=env, log_path=tmp_path / "t.log")
+            try:
+                wait_for_boundary(tmp_path / "t.log", unit.alive, 30)
+                image = driver.checkpoint(unit.root_pid, tmp_path / "images", unit="solo", host="localhost", progress=lambda m: None)
+                driver.after_checkpoint(unit.root_pid)
+                assert json.loads(wait_http("http://127.0.0.1:%d/cache" % port)) == dict.fromkeys(caches.split(","), "miss")
+            finally:
+                kill_tree(unit.root_pid)
+                unit.reap()
+        store = CapsuleStore(tmp_path / "store").init()
+        packed = engine_caches.pack(pointed, store.new_staging_dir("test-"))
+        assert packed is not None
+        layer, record = packed
+        assert {c.name for c in record.caches if c.files} == {"vllm", "torchinductor"} and record.kept == ("TRITON_CACHE_DIR",)
+        store.publish_blob_file(layer.path, layer.digest, layer.size)
+        layers = [layer.descriptor()]
+        assert engine_caches.problems(store, request, record, layers) == []
+        shutil.rmtree(root)  # a node whose caches are empty, the recipe's own one too
+        shutil.rmtree(recipe_triton)
+        assert engine_caches.install(store, request, record, layers)["files_written"] == record.files == 2
+        assert driver.admission(image) == []
+        restored = driver.restore(image, tmp_path / "images", log_path=tmp_path / "r.log", progress=lambda m: None)
+        try:
+            found = json.loads(wait_http("http://127.0.0.1:%d/cache" % port))
+            assert found == {"VLLM_CACHE_ROOT": "hit", "TORCHINDUCTOR_CACHE_DIR": "hit", "TRITON_CACHE_DIR": "miss"}
+        finally:
+            kill_tree(restored.root_pid)
+        blob = store.blob_path(layer.digest)
+        blob.chmod(0o644)
+        data = bytearray(blob.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        blob.write_bytes(bytes(data))
+        assert "damaged" in engine_caches.problems(store, request, record, layers)[0]
 
 
 def host_pid_namespace_pid(pid: int) -> list[int]:

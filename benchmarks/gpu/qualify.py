@@ -12,6 +12,10 @@ recorded at capture.
     python3 benchmarks/gpu/qualify.py samples   --work W --paths n610:native,n610:recovery,n580 --samples 3 --out OUT
     python3 benchmarks/gpu/qualify.py other-gpu --work W --paths n610:native --restore-gpus 1 --out OUT
 
+``--empty-caches`` (capture, samples, smoke) empties the engine's compile and JIT caches before
+every capture, vanilla start and restore (``ENGINE_CACHES``), as on a node that never ran the
+engine: the n580 template then has only what its capsule carries (capsule/engine_caches.py).
+
 ``--tp 2`` runs every step on a unit of two tensor-parallel ranks (benchmarks/gpu/tp2.sh runs
 them all); the n610 driver then launches the ranks with collectives that share no device
 memory (cuda/ranks.py), and ``ranks`` reports which NCCL transports the ranks used.
@@ -21,10 +25,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import getpass
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,6 +43,7 @@ from sparkrun_coldsnap.cuda import nvidia  # noqa: E402
 from sparkrun_coldsnap.documents import request as rq  # noqa: E402
 from sparkrun_coldsnap.documents import settings  # noqa: E402
 from sparkrun_coldsnap.documents.receipts import write_receipt  # noqa: E402
+from sparkrun_coldsnap.engines.vllm import VllmAdapter  # noqa: E402
 from sparkrun_coldsnap.errors import ColdsnapError  # noqa: E402
 from sparkrun_coldsnap.host import bandwidth, paths  # noqa: E402
 from sparkrun_coldsnap.host.facts import gpu_facts  # noqa: E402
@@ -167,6 +175,38 @@ def engine_log_lines(pattern: str) -> list[str]:
     return out
 
 
+def engine_cache_dirs() -> list[Path]:
+    """Where an engine start leaves what it compiled: vLLM's root (torch.compile artifacts),
+    Inductor's, Triton's, FlashInfer's JIT workspace and the tvm-ffi builds of its newer
+    releases, PyTorch's C++ extensions, the CUDA driver's PTX cache, each where this environment
+    places it (the adapter's variables) or at its default; and the plugin's own root, where n580
+    restores put a capsule's caches."""
+    home, user = Path.home(), getpass.getuser()
+    defaults = {
+        "VLLM_CACHE_ROOT": home / ".cache" / "vllm",
+        "TORCHINDUCTOR_CACHE_DIR": Path(tempfile.gettempdir()) / ("torchinductor_" + user),
+        "TRITON_CACHE_DIR": home / ".triton",
+        "FLASHINFER_WORKSPACE_BASE": home,
+        "TORCH_EXTENSIONS_DIR": home / ".cache" / "torch_extensions",
+        "CUDA_CACHE_PATH": home / ".nv" / "ComputeCache",
+    }
+    dirs = []
+    for var in VllmAdapter.compile_caches:
+        where = Path(os.environ[var]) if os.environ.get(var) else defaults[var]
+        # FlashInfer's variable names the base its workspace goes under, never to be emptied itself.
+        dirs.append(where / ".cache" / "flashinfer" if var == "FLASHINFER_WORKSPACE_BASE" else where)
+    return [*dirs, home / ".cache" / "tvm-ffi", settings.current().engine_cache_root]
+
+
+def empty_engine_caches(before: str) -> None:
+    emptied = {}
+    for d in engine_cache_dirs():
+        if d.is_dir():
+            emptied[str(d)] = sum(p.stat().st_size for p in d.rglob("*") if p.is_file() and not p.is_symlink())
+            shutil.rmtree(d)
+    print("engine caches emptied before %s: %s" % (before, json.dumps({k: round(v / 1e6, 1) for k, v in emptied.items()}) if emptied else "none there"), flush=True)
+
+
 def cmd_model(args) -> None:
     info = make_model(args.work, args.shape, args.model_python, args.model_device)
     print(json.dumps(info))
@@ -177,6 +217,8 @@ def cmd_capture(args) -> None:
     progress = Progress()
     for driver in args.drivers:
         cap, _ = requests_for(args, driver)
+        if args.empty_caches:
+            empty_engine_caches("the capture with %s" % driver)
         bench.drop_page_cache()
         try:
             out = api.capture(cap, store=store, progress=progress)
@@ -189,6 +231,8 @@ def cmd_capture(args) -> None:
             print("capture %s: %s in %.1f s, phases %s" % (driver, receipt.state, receipt.total_seconds, {p.name: p.seconds for p in receipt.phases}), flush=True)
             print("  zero pages: %s" % json.dumps(receipt.details.get("zero_pages")), flush=True)
             print("  details: %s" % json.dumps(receipt.details)[:600], flush=True)
+            if "engine_caches" in receipt.details:
+                print("  engine caches: %s" % json.dumps(receipt.details["engine_caches"]), flush=True)
     for line in engine_log_lines("Sleep mode freed"):
         print("  engine: %s" % line, flush=True)
 
@@ -210,6 +254,12 @@ def restores_for(args, store: CapsuleStore) -> tuple[dict, dict, dict]:
     return restores, capsules, environ
 
 
+CACHE_NOTE = {
+    False: "warm (filled by the captures' starts)",
+    True: "empty before every vanilla start and restore (engine_cache_dirs: vLLM, Inductor, Triton, FlashInfer, tvm-ffi, torch extensions, CUDA's PTX cache, the plugin's root)",
+}
+
+
 def cmd_samples(args) -> None:
     store = CapsuleStore(args.work / "store")
     restores, capsules, environ = restores_for(args, store)
@@ -217,9 +267,11 @@ def cmd_samples(args) -> None:
         sys.exit("nothing to measure")
     vanilla = next(iter(restores.values()))[0]
     # Vanilla starts without sleep mode, as a user would run it.
-    new = bench.run_paths(vanilla, restores, samples=args.samples, progress=Progress(), drop_cache=True, settings_for=environ)
-    # Samples accumulate across calls (one call may not hold them all): kept beside the store.
-    kept = args.work / "samples.json"
+    before = empty_engine_caches if args.empty_caches else None
+    new = bench.run_paths(vanilla, restores, samples=args.samples, progress=Progress(), drop_cache=True, settings_for=environ, before_each=before)
+    # Samples accumulate across calls (one call may not hold them all): kept beside the store,
+    # those with the caches emptied apart from those with them warm.
+    kept = args.work / ("samples-empty-caches.json" if args.empty_caches else "samples.json")
     old = [bench.Sample(**s) for s in json.loads(kept.read_text())] if kept.exists() else []
     for s in new:
         s.index += 1 + max([o.index for o in old], default=-1)
@@ -228,7 +280,7 @@ def cmd_samples(args) -> None:
     g = gpu_facts()
     gpu = {"gpus": [x.name for x in g.gpus], "nvidia_driver": g.nvidia_driver, "cuda": g.cuda_version}
     measured = machine_bandwidth(args)
-    doc = bench.document(vanilla, results, capsules=capsules, drop_cache=True, extra={"gpu": gpu, "compile_cache": "warm (filled by the captures' starts)"}, bandwidth=measured)
+    doc = bench.document(vanilla, results, capsules=capsules, drop_cache=True, extra={"gpu": gpu, "compile_cache": CACHE_NOTE[args.empty_caches]}, bandwidth=measured)
     path, png = bench.write(doc, args.out)
     for s in new:
         if s.notes:
@@ -246,7 +298,8 @@ def cmd_smoke(args) -> None:
     if not restores:
         sys.exit("nothing to restore")
     vanilla = next(iter(restores.values()))[0]
-    done = bench.run_paths(vanilla, restores, samples=args.smoke_samples, progress=Progress(), drop_cache=True, settings_for=environ, with_vanilla=False)
+    before = empty_engine_caches if args.empty_caches else None
+    done = bench.run_paths(vanilla, restores, samples=args.smoke_samples, progress=Progress(), drop_cache=True, settings_for=environ, with_vanilla=False, before_each=before)
     (args.out / "smoke.json").write_text(json.dumps([dataclasses.asdict(s) for s in done], indent=1))
     for s in done:
         total = s.ttft_seconds + (s.prepare_seconds or 0.0)
@@ -336,6 +389,7 @@ def main() -> None:
     ap.add_argument("--engine-python", default="python3", help="the engine's interpreter")
     ap.add_argument("--model-python", default=sys.executable)
     ap.add_argument("--model-device", default="cuda")
+    ap.add_argument("--empty-caches", action="store_true", help="capture, samples, smoke: empty the engine's compile and JIT caches before each capture, start and restore")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)

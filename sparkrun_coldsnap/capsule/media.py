@@ -10,6 +10,12 @@ LAYER_TAR_ZSTD = "application/vnd.sparkrun.coldsnap.images.v1.tar+zstd"
 # decompress several at once; a reader that does not know frames refuses it by its type.
 LAYER_TAR_ZSTD_FRAMES = "application/vnd.sparkrun.coldsnap.images.framed.v1.tar+zstd"
 LAYER_TYPES = (LAYER_TAR, LAYER_TAR_ZSTD, LAYER_TAR_ZSTD_FRAMES)
+# The engine's compile and JIT caches as the engine of a template capture left them (the n580
+# driver): unpacked to the directory the capsule config names, never among a unit's images.
+ENGINE_CACHE_TAR = "application/vnd.sparkrun.coldsnap.engine-caches.v1.tar"
+ENGINE_CACHE_TAR_ZSTD_FRAMES = "application/vnd.sparkrun.coldsnap.engine-caches.framed.v1.tar+zstd"
+ENGINE_CACHE_TYPES = (ENGINE_CACHE_TAR, ENGINE_CACHE_TAR_ZSTD_FRAMES)
+FRAMED_TYPES = (LAYER_TAR_ZSTD_FRAMES, ENGINE_CACHE_TAR_ZSTD_FRAMES)
 
 # Weights published as their own artifact (referenced from a capsule, never inside it).
 WEIGHTS_ARTIFACT_TYPE = "application/vnd.sparkrun.coldsnap.weights.v1"
@@ -48,3 +54,4 @@ A_UNPACKED_SIZE = PREFIX + ".unpacked-size"
 A_FRAMES = PREFIX + ".zstd-frames"  # comma-separated compressed sizes of the frames, in order
 A_WEIGHTS = PREFIX + ".weights"
 A_NATIVE = PREFIX + ".native-payload"
+A_ENGINE_CACHES = PREFIX + ".engine-caches"  # comma-separated names of the caches the layer holds

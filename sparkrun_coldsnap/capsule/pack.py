@@ -114,46 +114,53 @@ def pack_unit(images: Path, unit: str, out_dir: Path, *, tick: Tick | None = Non
     for part, files in _groups(images).items():
         if not files:
             continue
-        compress = compression_pays(files)
-        unpacked = sum(p.stat().st_size for p in files)
-        out = out_dir / ("%s-%s.tar%s" % (unit, part, ".zst" if compress else ""))
-        try:
-            with open(out, "wb") as raw:
-                hw = _HashingWriter(raw)
-                framed = FramedWriter(hw, level=ZSTD_LEVEL) if compress else None  # type: ignore[arg-type]
-                stream: BinaryIO = framed if framed is not None else hw  # type: ignore[assignment]
-                with tarfile.open(fileobj=stream, mode="w|", format=tarfile.PAX_FORMAT, bufsize=TAR_BUFFER) as tar:
-                    for path in files:
-                        arcname = "%s/%s" % (unit, path.relative_to(images).as_posix())
-                        info = tar.gettarinfo(str(path), arcname=arcname)
-                        info.uid = info.gid = 0
-                        info.uname = info.gname = ""
-                        info.mtime = 0
-                        with open(path, "rb") as f:
-                            tar.addfile(info, _CountingReader(f, tick))
-                if framed is not None:
-                    framed.close()
-                raw.flush()
-                os.fsync(raw.fileno())
-        except OSError as err:
-            out.unlink(missing_ok=True)  # a half-written layer is nothing anyone can use
-            raise StoreError(explain_os_error(err, out)) from err
-        layers.append(
-            PackedLayer(
-                path=out,
-                digest="sha256:" + hw.h.hexdigest(),
-                size=hw.size,
-                media_type=media.LAYER_TAR_ZSTD_FRAMES if framed is not None else media.LAYER_TAR,
-                annotations={
-                    media.A_TITLE: out.name,
-                    media.A_UNIT: unit,
-                    media.A_PART: part,
-                    media.A_UNPACKED_SIZE: str(unpacked),
-                    **({media.A_FRAMES: ",".join(map(str, framed.sizes))} if framed is not None else {}),
-                },
-            )
-        )
+        out = out_dir / ("%s-%s.tar" % (unit, part))
+        annotations = {media.A_UNIT: unit, media.A_PART: part}
+        layers.append(pack_files(files, images, unit, out, annotations, types=(media.LAYER_TAR, media.LAYER_TAR_ZSTD_FRAMES), tick=tick))
     return layers
+
+
+def pack_files(
+    files: list[Path], base: Path, prefix: str, out: Path, annotations: dict[str, str], *, types: tuple[str, str], tick: Tick | None = None,
+) -> PackedLayer:  # fmt: skip
+    """*files* (under *base*) as one staged layer at *out* (``.zst`` added where compression pays),
+    each named *prefix*/its path under *base*; *types*: the layer's media type plain and framed."""
+    compress = compression_pays(files)
+    unpacked = sum(p.stat().st_size for p in files)
+    out = out.with_name(out.name + (".zst" if compress else ""))
+    try:
+        with open(out, "wb") as raw:
+            hw = _HashingWriter(raw)
+            framed = FramedWriter(hw, level=ZSTD_LEVEL) if compress else None  # type: ignore[arg-type]
+            stream: BinaryIO = framed if framed is not None else hw  # type: ignore[assignment]
+            with tarfile.open(fileobj=stream, mode="w|", format=tarfile.PAX_FORMAT, bufsize=TAR_BUFFER) as tar:
+                for path in files:
+                    arcname = "%s/%s" % (prefix, path.relative_to(base).as_posix())
+                    info = tar.gettarinfo(str(path), arcname=arcname)
+                    info.uid = info.gid = 0
+                    info.uname = info.gname = ""
+                    info.mtime = 0
+                    with open(path, "rb") as f:
+                        tar.addfile(info, _CountingReader(f, tick))
+            if framed is not None:
+                framed.close()
+            raw.flush()
+            os.fsync(raw.fileno())
+    except OSError as err:
+        out.unlink(missing_ok=True)  # a half-written layer is nothing anyone can use
+        raise StoreError(explain_os_error(err, out)) from err
+    return PackedLayer(
+        path=out,
+        digest="sha256:" + hw.h.hexdigest(),
+        size=hw.size,
+        media_type=types[1] if framed is not None else types[0],
+        annotations={
+            media.A_TITLE: out.name,
+            **annotations,
+            media.A_UNPACKED_SIZE: str(unpacked),
+            **({media.A_FRAMES: ",".join(map(str, framed.sizes))} if framed is not None else {}),
+        },
+    )
 
 
 def _safe_member(member: tarfile.TarInfo, dest: Path) -> Path:
@@ -179,7 +186,7 @@ def _declared_size(desc: Descriptor) -> int | None:
 
 def _decompressed(desc: Descriptor, blob: BinaryIO) -> Any:
     """The layer's tar stream, read from *blob*; closed once the tar is read (the blob stays open)."""
-    if desc.media_type == media.LAYER_TAR_ZSTD_FRAMES:
+    if desc.media_type in media.FRAMED_TYPES:
         return FramedReader(blob, frame_sizes((desc.annotations or {}).get(media.A_FRAMES), desc.size, short(desc.digest)))
     if desc.media_type == media.LAYER_TAR_ZSTD:  # one frame: capsules packed before the frames
         return zstandard.ZstdDecompressor().stream_reader(blob, closefd=False)
@@ -193,7 +200,7 @@ def unpack_layer(store: CapsuleStore, desc: Descriptor, dest: Path, *, tick: Tic
     if layer_crypto.is_encrypted(desc):
         layer_key = layer_crypto.open_layer_key(desc, keys or [])
         desc = Descriptor(layer_crypto.plain_media_type(desc.media_type), desc.digest, desc.size, desc.annotations)
-    if desc.media_type not in media.LAYER_TYPES:
+    if desc.media_type not in (*media.LAYER_TYPES, *media.ENGINE_CACHE_TYPES):
         raise IntegrityError("layer %s has media type %s, not a capsule layer" % (desc.digest, desc.media_type))
     written = 0
     declared = _declared_size(desc)
@@ -238,6 +245,6 @@ def unpack_layer(store: CapsuleStore, desc: Descriptor, dest: Path, *, tick: Tic
             raise IntegrityError("layer %s names %s twice: refusing to unpack it" % (short(desc.digest), err.filename)) from err
         except (tarfile.TarError, zstandard.ZstdError, EOFError) as err:
             blob.verify_rest()  # a damaged blob is the likelier story: say so if it is
-            raise IntegrityError("layer %s is not a readable tar%s: %s" % (desc.digest, "" if desc.media_type == media.LAYER_TAR else "+zstd", err)) from err
+            raise IntegrityError("layer %s is not a readable tar%s: %s" % (desc.digest, "" if desc.media_type in (media.LAYER_TAR, media.ENGINE_CACHE_TAR) else "+zstd", err)) from err
         blob.verify_rest()
     return written

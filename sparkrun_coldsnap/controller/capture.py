@@ -31,7 +31,7 @@ from sparkrun_coldsnap.capsule.store import CapsuleStore
 from sparkrun_coldsnap.controller.admit import admit_snapshot
 from sparkrun_coldsnap.controller.common import Attempt, finish
 from sparkrun_coldsnap.documents import settings as settings_mod
-from sparkrun_coldsnap.documents.capsule_config import CapsuleConfig, CapturedValidation, EngineRecord, ModelFile, NativePayload, WeightsRecord
+from sparkrun_coldsnap.documents.capsule_config import CapsuleConfig, CapturedValidation, EngineCaches, EngineRecord, ModelFile, NativePayload, WeightsRecord
 from sparkrun_coldsnap.documents.driver_data import DriverData
 from sparkrun_coldsnap.documents.fingerprint import Fingerprint
 from sparkrun_coldsnap.documents.receipts import Receipt, ReceiptBuilder, Validation
@@ -79,6 +79,8 @@ class Capturing:
     native_wanted: bool = False
     #: names of the credentials the captured memory holds (the capsule records them, never their values)
     credentials: set[str] = field(default_factory=set)
+    #: what the engine's caches held once it served, packed as a layer (a driver that carries them)
+    engine_caches: EngineCaches | None = None
 
     def launched_with(self, launch: secrets.CaptureLaunch) -> None:
         """A unit is started as *launch* says: what it was not given and what it holds, for the receipt and the capsule."""
@@ -186,7 +188,7 @@ def capture(req: CaptureRequest, units: CaptureUnits, *, store: CapsuleStore, se
             if changed:
                 raise CaptureError("the model files changed while the engine loaded them: %s; capture again" % "; ".join(changed))
             layers, images = units.pack(c, staging, images, native)
-            config = capsule_config(req, c.r, units.fingerprint(c, images), validation, recorded_files, native, tuple(images), credentials=tuple(sorted(c.credentials)))
+            config = capsule_config(req, c.r, units.fingerprint(c, images), validation, recorded_files, native, tuple(images), credentials=tuple(sorted(c.credentials)), engine_caches=c.engine_caches)
             with rb.phase("publish"):
                 desc = capsule_mod.publish(store, layers, config)
             rb.details["image_bytes"] = sum(i.image_bytes for i in images)
@@ -241,7 +243,7 @@ def _validated(c: Capturing, units: CaptureUnits, t0: float) -> Validation:
 
 def capsule_config(
     req: CaptureRequest, r: Resolved, fingerprint: Fingerprint, validation: Validation, recorded_files: tuple[ModelFile, ...], native: NativePayload | None,
-    units: tuple[UnitImage, ...], *, credentials: tuple[str, ...] = (),
+    units: tuple[UnitImage, ...], *, credentials: tuple[str, ...] = (), engine_caches: EngineCaches | None = None,
 ) -> CapsuleConfig:  # fmt: skip
     """What a capsule of *units* records, one unit or several: the redacted workload, the host it
     must be restored on (*fingerprint*), the engine, the reply restores must give, the weights."""
@@ -258,5 +260,6 @@ def capsule_config(
         validation=CapturedValidation(prompt=req.validation.prompt, max_tokens=req.validation.max_tokens, reply=validation.reply or "", request_ttft_seconds=validation.request_ttft_seconds, tokens=validation.tokens),
         weights=WeightsRecord(location="in-image" if r.driver.weights_in_image else "external", model_id=w.model.id, revision=w.model.revision, files=recorded_files, native=native),
         units=units,
+        engine_caches=engine_caches,
         credentials=credentials,
     )

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from sparkrun_coldsnap import secrets
+from sparkrun_coldsnap.capsule import engine_caches
 from sparkrun_coldsnap.capsule.pack import PackedLayer, pack_unit
 from sparkrun_coldsnap.compat import pinning
 from sparkrun_coldsnap.controller.admit import admit_driver_here
@@ -40,6 +41,8 @@ class HereCapture:
         self.operation = "hibernate" if live is not None else "capture"
         self.unit: RunningUnit | None = live.unit if live is not None else None
         self.log_path: Path | None = live.log_path if live is not None else None
+        #: where the engine's caches were pointed (a driver that carries them)
+        self.caches: engine_caches.Pointed | None = None
 
     @property
     def running(self) -> RunningUnit:
@@ -93,6 +96,10 @@ class HereCapture:
         command, env = r.driver.launch_settings(command, env, adapter=r.adapter, topology=w.topology)
         if (command, env) != launched:  # what the driver needs of the launch, for whoever reads the receipt
             rb.details["driver_launch"] = {"flags": command[len(launched[0]) :].split(), "env": {k: v for k, v in env.items() if launched[1].get(k) != v}}
+        if r.driver.carries_engine_caches:
+            # Set before the engine starts, so the captured memory holds these paths.
+            env, self.caches = engine_caches.point(env, r.adapter.compile_caches, engine_caches.directory(req.digest()))
+            rb.details["engine_caches"] = {"directory": str(self.caches.directory), "carried": sorted(self.caches.carried), "kept": list(self.caches.kept)}
         command = r.driver.launch_command(command, r.adapter, c.settings)
         self.log_path = paths.run_dir() / "logs" / ("capture-%s-%d.log" % (req.capsule.name, os.getpid()))
         self.log_path.unlink(missing_ok=True)
@@ -218,7 +225,22 @@ class HereCapture:
         image = _without_zero_pages(c, where, images[0])
         with c.rb.phase("pack"), c.progress.transfer("packing %.1f MB of process images" % (image.image_bytes / 1e6), image.image_bytes) as tick:
             layers = pack_unit(where, unit_def.name, staging, tick=tick)
+        if self.caches is not None:
+            layers.extend(self._pack_caches(c, staging))
         return layers, [image]
+
+    def _pack_caches(self, c: Capturing, staging: Path) -> list[PackedLayer]:
+        """What the engine compiled after the boundary, as it served (it has stopped), one layer."""
+        assert self.caches is not None
+        with c.rb.phase("pack_engine_caches"):
+            packed = engine_caches.pack(self.caches, staging)
+        if packed is None:
+            c.rb.details["engine_caches"]["files"] = 0
+            return []
+        layer, c.engine_caches = packed
+        c.rb.details["engine_caches"].update(files=c.engine_caches.files, bytes=c.engine_caches.bytes, layer=layer.digest)
+        c.progress.note("carrying %d files (%.1f MB) of the engine's caches" % (c.engine_caches.files, c.engine_caches.bytes / 1e6))
+        return [layer]
 
     def fingerprint(self, c: Capturing, images: list[UnitImage]) -> Fingerprint:
         return c.r.fingerprint(c.req.workload, images[0].criu_version)

@@ -9,7 +9,7 @@ import dataclasses
 from concurrent.futures import Future
 from pathlib import Path
 
-from sparkrun_coldsnap.capsule import capsule_crypto, media
+from sparkrun_coldsnap.capsule import capsule_crypto, engine_caches, media
 from sparkrun_coldsnap.capsule.capsule import Capsule
 from sparkrun_coldsnap.capsule.pack import unpack_layer
 from sparkrun_coldsnap.capsule.store import CapsuleStore
@@ -57,7 +57,7 @@ class HereRestore:
         return resolve(p.req.workload, p.settings)
 
     def admit(self, p: Preparing) -> tuple[weight_paths.WeightChoice | None, tuple[str, ...]]:
-        return admit_here(p.capsule, p.req, p.r, p.rb, replacing=self.replacing)
+        return admit_here(p.capsule, p.req, p.r, p.rb, replacing=self.replacing, store=p.store)
 
     def stage(self, p: Preparing, weights: weight_paths.WeightChoice | None) -> weight_paths.WeightChoice | None:
         """The payload copied into memory (or read into the page cache), the layers unpacked and
@@ -187,11 +187,14 @@ def check_admission(cap: Capsule, req: RestoreRequest, r: Resolved, *, replacing
 
 
 def admit_here(
-    cap: Capsule, req: RestoreRequest, r: Resolved, rb: ReceiptBuilder, *, replacing: frozenset[int] = frozenset(),
+    cap: Capsule, req: RestoreRequest, r: Resolved, rb: ReceiptBuilder, *, replacing: frozenset[int] = frozenset(), store: CapsuleStore | None = None,
 ) -> tuple[weight_paths.WeightChoice | None, tuple[str, ...]]:  # fmt: skip
     """*cap* admitted here (refused: a CompatibilityError); the weight path, and what the
-    workload being replaced (*replacing*) holds that the driver would otherwise refuse."""
+    workload being replaced (*replacing*) holds that the driver would otherwise refuse. With
+    *store*, the engine caches it carries are checked there too (whole, and placeable here)."""
     problems, choice = check_admission(cap, req, r, replacing=replacing)
+    if store is not None:
+        problems = [*problems, *engine_caches.problems(store, cap.config.request_sha256, cap.config.engine_caches, cap.layers)]
     if problems:
         raise CompatibilityError("admission refused for capsule %s: %s" % (req.capsule.ref, "; ".join(problems)))
     held: tuple[str, ...] = ()
@@ -215,21 +218,26 @@ def open_and_admit(
         require_one_unit(req.workload, "restore")
         r = resolve(req.workload, settings)
         refuse_driver(cap, req, r)
-        choice, held = admit_here(cap, req, r, rb, replacing=replacing)
+        choice, held = admit_here(cap, req, r, rb, replacing=replacing, store=store)
     return cap, r, choice, held
 
 
 def unpacked_size(cap: Capsule) -> int:
-    return sum(int((d.annotations or {}).get(media.A_UNPACKED_SIZE, d.size)) for d in cap.layers)
+    return sum(int((d.annotations or {}).get(media.A_UNPACKED_SIZE, d.size)) for d in cap.layers if not engine_caches.is_cache_layer(d))
 
 
 def unpack_capsule(store: CapsuleStore, cap: Capsule, staging: Path, rb: ReceiptBuilder, progress: Progress) -> None:
     """Verify and unpack every layer of *cap* into *staging* (encrypted ones decrypted there, with
-    the keys COLDSNAP_DECRYPTION_KEY names: the store keeps only their ciphertext)."""
+    the keys COLDSNAP_DECRYPTION_KEY names: the store keeps only their ciphertext); the engine's
+    caches (a template's) go to the directory the captured engine reads, before it goes on."""
     keys = capsule_crypto.decryption_keys(settings_mod.current().decryption_keys) if capsule_crypto.encrypted_layers(cap) else []
     with rb.phase("prepare.stage"), progress.transfer("verifying and unpacking capsule %s" % (cap.ref or cap.digest), sum(d.size for d in cap.layers)) as tick:
         for d in cap.layers:
+            if engine_caches.is_cache_layer(d):
+                continue
             unpack_layer(store, d, staging / "units", tick=tick, keys=keys)
+        if cap.config.engine_caches is not None:
+            rb.details["engine_caches"] = engine_caches.install(store, cap.config.request_sha256, cap.config.engine_caches, cap.layers, tick=tick, keys=keys)
 
 
 def after_hydration(r: Resolved, endpoint: Endpoint, hydrated: HydrationResult, choice: weight_paths.WeightChoice, rb: ReceiptBuilder) -> None:

@@ -35,6 +35,22 @@ class WeightsRecord(Strict):
     native: NativePayload | None = Field(None, description="The engine's loaded tensors written at capture, read back by the native weight path; none if not written.")
 
 
+class CarriedCache(Strict):
+    name: str = Field(description="The cache's folder under the directory, named for what fills it (vllm, torchinductor, triton, flashinfer, ...).")
+    env: str = Field(description="The variable the captured engine was started with, pointing at that folder.")
+    files: int
+    bytes: int
+
+
+class EngineCaches(Strict):
+    directory: str = Field(description="Where the captured engine's caches live, the same on every host: a restore unpacks them there before the engine goes on.")
+    layer: str = Field(description="Digest of the capsule layer that holds them.")
+    files: int
+    bytes: int
+    caches: tuple[CarriedCache, ...] = Field(description="What each cache held when the engine was ready.")
+    kept: tuple[str, ...] = Field((), description="Cache variables the recipe or the environment set itself: the engine kept them, the capsule does not carry those caches.")
+
+
 class CapturedValidation(Strict):
     prompt: str
     max_tokens: int
@@ -78,10 +94,22 @@ class CapsuleConfig(Strict):
     validation: CapturedValidation
     weights: WeightsRecord
     units: tuple[UnitImage, ...]
+    engine_caches: EngineCaches | None = Field(
+        None,
+        description="A template capture (n580): the compile and JIT caches its engine filled after the boundary, carried as a layer of their own.",
+    )
     credentials: tuple[str, ...] = Field(
         (),
         description="Names (never values) of the credentials the captured memory holds (--api-key, VLLM_API_KEY); publish refuses such a capsule unless told --allow-secrets.",
     )
+
+    @model_serializer(mode="wrap")
+    def _without_absent_caches(self, handler: SerializerFunctionWrapHandler):
+        # A capsule of a driver that carries no caches is written as it was before they existed.
+        out = handler(self)
+        if out.get("engine_caches") is None:
+            out.pop("engine_caches", None)
+        return out
 
     @model_validator(mode="after")
     def _one_engine(self) -> CapsuleConfig:

@@ -56,6 +56,10 @@ def _choice[T](env: Mapping[str, str], name: str, choices: Mapping[str, T], defa
     return choices[raw]
 
 
+#: outside any user's home, so the path is the same on every host whoever runs the capture
+ENGINE_CACHE_ROOT = Path("/var/cache/sparkrun-coldsnap/engine-caches")
+
+
 @dataclass(frozen=True)
 class Settings:
     #: ``COLDSNAP_HOME``: the private CRIU, engine environments, run state and the default store.
@@ -103,6 +107,10 @@ class Settings:
     #: it and make them again after the restore (engines that can: vLLM, then run eagerly). On one
     #: GPU shared by two ranks neither came through on driver 580.159.04 (docs/gpu-ranks.md).
     rebuild_communicators: bool = False
+    #: ``COLDSNAP_ENGINE_CACHE_ROOT``: where a template capture (n580) points its engine's compile
+    #: and JIT caches, one folder per capture request beneath; the captured engine keeps the path
+    #: in its memory, so a restoring host must name the same root (a restore refuses another).
+    engine_cache_root: Path = ENGINE_CACHE_ROOT
     #: ``COLDSNAP_TEMPLATE_PRELOAD``: modules a template boundary imports (empty: the adapter's).
     template_preload: tuple[str, ...] = ()
     #: ``COLDSNAP_CRIU``: a CRIU command line to try before the system's and the private one.
@@ -160,6 +168,7 @@ class Settings:
             register_threads=_whole_number(env, "COLDSNAP_REGISTER_THREADS", 4, least=1),
             cuda_restore_parallel=_choice(env, "COLDSNAP_CUDA_RESTORE", {"parallel": True, "serial": False}, "parallel"),
             rebuild_communicators=_choice(env, "COLDSNAP_COMMUNICATORS", {"rebuild": True, "keep": False}, "keep"),
+            engine_cache_root=_path(env["COLDSNAP_ENGINE_CACHE_ROOT"]) if env.get("COLDSNAP_ENGINE_CACHE_ROOT") else ENGINE_CACHE_ROOT,
             template_preload=tuple(m for m in env.get("COLDSNAP_TEMPLATE_PRELOAD", "").split(",") if m),
             criu=tuple(env.get("COLDSNAP_CRIU", "").split()),
             cuda_python=env.get("COLDSNAP_CUDA_PYTHON") or None,

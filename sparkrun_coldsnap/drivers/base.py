@@ -53,6 +53,10 @@ class SnapshotDriver(ABC):
     #: after a restore the engine loads its weights itself (a template); otherwise they
     #: are in the images or hydrated by the engine adapter.
     engine_loads_weights: ClassVar[bool] = False
+    #: the capture points the engine's compile and JIT caches into a directory of the capsule's
+    #: and carries what the engine left there as a layer; a restore puts it back before the
+    #: engine goes on (a template, whose engine compiles after its boundary: capsule/engine_caches.py).
+    carries_engine_caches: ClassVar[bool] = False
     #: a host-process unit comes back in PID, mount and network namespaces of its own: its
     #: captured PIDs, shared-memory names and port need not be free on the host, and the
     #: recipe's port may differ from the captured one (it is forwarded).

@@ -4,7 +4,10 @@ Where the process checkpoint API is refused (DGX Spark's GB10 with driver
 580 answers CUDA_ERROR_NOT_SUPPORTED), the engine is captured earlier: after
 its imports and configuration, before it touches CUDA. After restore it goes
 on from there: initializes CUDA, loads weights and builds its graphs. It saves
-the import and set-up time, not CUDA initialization or compilation.
+the import and set-up time; the compile and JIT caches its engine filled at
+capture travel in the capsule (capsule/engine_caches.py), so a restore on a node
+that never ran the engine does not compile again. CUDA initialization, the
+weights and the CUDA graphs stay the GPU's work after every restore.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class N580Driver(CriuDriver):
     weights_in_image = False
     boundary = "template"
     engine_loads_weights = True
+    carries_engine_caches = True
 
     def launch_command(self, command: str, adapter: EngineAdapter, settings: Settings) -> str:
         return template_command(command, module_for_script=adapter.console_scripts, preload=settings.template_preload or adapter.template_preload)

@@ -72,6 +72,18 @@ class EngineAdapter(ABC):
     cpu_weight_paths: ClassVar[tuple[str, ...]] = ("in-image",)
     #: modules a pre-CUDA template imports before its boundary (n580 driver).
     template_preload: ClassVar[tuple[str, ...]] = ()
+    #: the variables that place the engine's compile and JIT caches, and the name of each cache's
+    #: folder: a template capture (n580) points them into the capsule's cache directory. What the
+    #: engine's libraries read, whichever engine: Inductor, Triton, FlashInfer's JIT workspace
+    #: (the library adds ``.cache/flashinfer`` beneath), PyTorch's C++ extensions, and the CUDA
+    #: driver's cache of PTX compiled for the GPU.
+    compile_caches: ClassVar[dict[str, str]] = {
+        "TORCHINDUCTOR_CACHE_DIR": "torchinductor",
+        "TRITON_CACHE_DIR": "triton",
+        "FLASHINFER_WORKSPACE_BASE": "flashinfer",
+        "TORCH_EXTENSIONS_DIR": "torch_extensions",
+        "CUDA_CACHE_PATH": "cuda",
+    }
     #: console scripts and the module each one runs, for the template launcher.
     console_scripts: ClassVar[dict[str, str]] = {}
     #: the serve flags that name the model (a repo id or a directory) and pin its revision.

@@ -47,6 +47,8 @@ class VllmAdapter(EngineAdapter):
     # qualification machine: the pre-CUDA boundary comes after torch and transformers.
     template_preload = ("torch", "transformers")
     console_scripts = {"vllm": "vllm.entrypoints.cli.main"}
+    # vLLM's own root holds its torch.compile artifacts (torch_compile_cache/) and FlashInfer's autotuning results.
+    compile_caches = {"VLLM_CACHE_ROOT": "vllm", **EngineAdapter.compile_caches}
     # Its custom all-reduce exchanges cudaIpc handles of its buffers; torch symmetric memory
     # and FlashInfer's all-reduce map peers' memory too (each on by default where supported).
     ipc_free_flags = ("--disable-custom-all-reduce",)

@@ -190,6 +190,16 @@ class State:
         self.ready_at = time.monotonic() + args.fake_startup_seconds
         self.health_seconds = args.fake_health_seconds
         self.engine = Engine(args)
+        #: each cache variable of the environment: "hit" (its kernel was there) or "miss" (compiled)
+        self.compiled = compile_kernels() if args.fake_compile_cache else {}
+
+
+def compile_kernels() -> dict[str, str]:
+    """What the real server compiles at start (Inductor, Triton): one FAKE kernel into each of
+    those caches the environment names, written only where it is missing."""
+    from fake_compiling_engine import compile_into
+
+    return {var: compile_into(os.environ[var]) for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") if os.environ.get(var)}
 
 
 def make_handler(state: State):
@@ -231,6 +241,8 @@ def make_handler(state: State):
                 time.sleep(state.health_seconds)  # the real one generates a token first
                 state.engine.ask("generate", ("health", 1))
                 self._send(200)
+            elif self.path == "/fake/compile_cache":
+                self._json(200, state.compiled)
             elif self.path == "/v1/models":
                 self._json(200, {"object": "list", "data": [{"id": state.served, "object": "model", "created": int(time.time()), "owned_by": "sglang", "root": state.served, "parent": None, "max_model_len": 2048}]})
             else:
@@ -323,6 +335,7 @@ def parse_args(argv=None):
     ap.add_argument("--fake-startup-seconds", type=float, default=1.0, help="how long /health answers 503")
     ap.add_argument("--fake-health-seconds", type=float, default=2.5, help="how long /health takes once up (the real one generates a token)")
     ap.add_argument("--fake-reload-seconds", type=float, default=0.2, help="how long /update_weights_from_disk takes")
+    ap.add_argument("--fake-compile-cache", action="store_true", help="compile FAKE kernels into the cache directories the environment names (GET /fake/compile_cache: hit or miss)")
     ap.add_argument("--fake-token-seconds", type=float, default=0.0, help="time per generated token")
     return ap.parse_args(argv)
 
