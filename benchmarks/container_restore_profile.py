@@ -242,6 +242,9 @@ def main() -> None:
         "prepare_seconds": round(prepared.prepare_seconds, 3),
         "phases": phases,
         "restore_steps": dict(getattr(outcome.unit, "steps", {}) or {}),
+        # The memory fill after CRIU (a restore without memory on demand), from the receipt.
+        "page_fill": outcome.receipt.details.get("page_fill"),
+        "page_fill_split": (outcome.receipt.details.get("staged_images") or {}).get("page_fill_split"),
         "timeline": timeline(watcher.samples),
         "cpu_seconds": watcher.cpu_by_component(),
         "samples": watcher.samples,
@@ -251,6 +254,8 @@ def main() -> None:
         perf_report(args.out / "perf.data", args.out)
         (args.out / "perf.data").unlink(missing_ok=True)
     print("restore steps: %s" % ", ".join("%s %.3fs" % kv for kv in result["restore_steps"].items()))
+    if result["page_fill"]:
+        print("page fill: %s" % result["page_fill"])
     t = result["timeline"]
     print("first token %.2f s after the activation began; phases: %s" % (outcome.ttft_seconds or 0, ", ".join("%s %.2fs" % kv for kv in phases.items())))
     for k, v in t.items():

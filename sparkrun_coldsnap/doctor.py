@@ -178,8 +178,10 @@ def _docker() -> list[Check]:
     else:
         out.append(Check("docker experimental", "warn", 'experimental mode off: docker checkpoint refuses to run (%s lacks "experimental": true)' % DAEMON_JSON, setup))
     runtimes = i.get("runtimes", "").split(",")
-    if lazy_runtime.NAME in runtimes:
-        out.append(Check("docker runtime", "ok", "%s registered (restores container memory on demand)" % lazy_runtime.NAME))
+    if lazy_runtime.leaves_stopped(i.get("runtimes", "")):
+        out.append(Check("docker runtime", "ok", "%s registered (restores container memory on demand, or leaves the tree stopped for the memory fill)" % lazy_runtime.NAME))
+    elif lazy_runtime.NAME in runtimes:
+        out.append(Check("docker runtime", "warn", "%s registered but written before it could leave a restored tree stopped: container restores without memory on demand have CRIU copy every page" % lazy_runtime.NAME, setup))
     else:
         out.append(Check("docker runtime", "warn", "%s is not among the daemon's runtimes (%s): container restores copy all memory first" % (lazy_runtime.NAME, ", ".join(runtimes)), setup))
     criu = criu_tool.for_runc()

@@ -79,10 +79,12 @@ def test_removing_a_copy_of_links_never_touches_what_they_point_to(tmp_path):
     assert (images / "pages-1.img").read_bytes() == b"\1" * 8192
 
 
-def run_wrapper(tmp_path: Path, *args: str, runc_exit: int = 0) -> tuple[int, list[str]]:
-    """The runtime's script in front of a fake runc that prints the arguments it got."""
+def run_wrapper(tmp_path: Path, *args: str, runc_exit: int = 0, show_config: bool = False) -> tuple[int, list[str]]:
+    """The runtime's script in front of a fake runc that prints the arguments it got (and, with
+    *show_config*, the CRIU configuration file its environment names, last)."""
     fake_runc = tmp_path / "fake-runc"
-    fake_runc.write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\nexit %d\n' % runc_exit)
+    show = 'echo "config=${CRIU_CONFIG_FILE-unset}"\n' if show_config else ""
+    fake_runc.write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n%sexit %d\n' % (show, runc_exit))
     fake_runc.chmod(0o755)
     wrapper = tmp_path / "wrapper"
     wrapper.write_text(lazy_runtime.script(str(fake_runc)))
@@ -114,11 +116,34 @@ def test_the_runtime_asks_runc_for_memory_on_demand_only_for_a_checkpoint_with_a
         assert rc == 1 and (images / "restore.log").read_text().startswith("(00.1) Error")
 
 
+def test_the_runtime_has_crius_tree_left_stopped_only_for_a_restore_whose_checkpoint_asks(tmp_path):
+    checkpoint, images = tmp_path / "ctrd-checkpoint1", tmp_path / "images"
+    checkpoint.mkdir()
+    images.mkdir()
+    restore = ["--root", "/r", "restore", "--image-path", str(checkpoint), "--work-path", str(tmp_path / "work"), "--detach", "--bundle", "/b", "id"]
+    # No request: runc's ordinary restore, its arguments and its environment untouched.
+    assert run_wrapper(tmp_path, *restore, show_config=True) == (0, restore + ["config=unset"])
+    checkpoint_links.ask_leave_stopped(images)
+    assert (images / checkpoint_links.LEAVE_STOPPED).read_text().split() == ["leave-stopped"]
+    (checkpoint / checkpoint_links.LEAVE_STOPPED).symlink_to(checkpoint_links.link_target(images / checkpoint_links.LEAVE_STOPPED))
+    # Asked: the same arguments, and criu swrk (started with runc's environment) reads the file.
+    assert run_wrapper(tmp_path, *restore, show_config=True) == (0, restore + ["config=%s" % (images / checkpoint_links.LEAVE_STOPPED)])
+    # Only a restore: a checkpoint of the same directory, or any other call, goes through as it is.
+    for argv in (["--root", "/r", "checkpoint", "--image-path", str(checkpoint), "id"], ["--root", "/r", "state", "id"]):
+        assert run_wrapper(tmp_path, *argv, show_config=True) == (0, argv + ["config=unset"])
+    assert run_wrapper(tmp_path, *restore, runc_exit=3, show_config=True)[0] == 3
+
+
 def test_the_runtime_is_used_only_where_the_daemon_knows_it(tmp_path, monkeypatch):
     monkeypatch.setattr(lazy_runtime, "WRAPPER", tmp_path / "absent")
     assert not lazy_runtime.installed("coldsnap-runc,runc")
     monkeypatch.setattr(lazy_runtime, "WRAPPER", Path(__file__))
     assert lazy_runtime.installed("coldsnap-runc,runc") and not lazy_runtime.installed("runc")
+    assert not lazy_runtime.leaves_stopped("coldsnap-runc,runc")  # a wrapper written before it could
+    newer = tmp_path / "coldsnap-runc"
+    newer.write_text(lazy_runtime.script("/usr/sbin/runc"))
+    monkeypatch.setattr(lazy_runtime, "WRAPPER", newer)
+    assert lazy_runtime.leaves_stopped("coldsnap-runc,runc") and not lazy_runtime.leaves_stopped("runc")
 
 
 # -- with the real daemon ------------------------------------------------------------------
@@ -230,6 +255,88 @@ def test_a_failed_checkpoint_keeps_crius_log_and_names_it(daemon, tmp_path, monk
     assert "; CRIU's log: %s (" % kept in str(failed.value), str(failed.value)
     assert "Dumping FAILED" in kept.read_text()
     assert named("coldsnap-test-ring") == []
+
+
+#: A process holding 64 MiB of random bytes and their hash; each time a request file appears
+#: in the bound /probe, it hashes its memory again and writes what it found.
+HOLDER = """
+import hashlib, os, time
+data = bytearray(os.urandom(64 << 20))
+digest = hashlib.sha256(data).hexdigest()
+open("/probe/ready", "w").write(digest)
+while True:
+    if os.path.exists("/probe/ask"):
+        os.unlink("/probe/ask")
+        found = hashlib.sha256(data).hexdigest()
+        open("/probe/answer.tmp", "w").write("match" if found == digest else "mismatch " + found)
+        os.rename("/probe/answer.tmp", "/probe/answer")
+    time.sleep(0.05)
+"""
+
+
+def ask_holder(probe: Path, timeout: float = 60.0) -> str:
+    (probe / "answer").unlink(missing_ok=True)
+    (probe / "ask").write_text("")
+    deadline = time.monotonic() + timeout
+    while not (probe / "answer").exists():
+        assert time.monotonic() < deadline, "the process in the container did not answer"
+        time.sleep(0.05)
+    return (probe / "answer").read_text()
+
+
+def test_a_container_restore_with_a_page_fill_brings_every_byte_back(daemon, tmp_path, use_settings):
+    # The big area leaves CRIU's images (CRIU restores it as zeros), the runtime has CRIU leave
+    # the tree stopped, the fill writes it, then the tree goes on: the hash matches only if the
+    # fill wrote every byte.
+    from sparkrun_coldsnap.setup import docker_install
+
+    use_settings(page_fill_threads=2)
+    assert lazy_runtime.installed(docker_unit.info()["runtimes"]), "run `sparkrun coldsnap setup --docker`"
+    # The runtime's wrapper as this code writes it (setup run from an older checkout leaves its own).
+    docker_install.lazy_runtime_installed(lambda _line: None)
+    assert lazy_runtime.leaves_stopped(docker_unit.info()["runtimes"])
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "holder.py").write_text(HOLDER)
+    spec = dataclasses.replace(daemon, command="python3 /probe/holder.py", volumes={str(probe): "/probe"})
+    unit = docker_unit.start_container(spec, "coldsnap-test-fill")
+    try:
+        deadline = time.monotonic() + 60
+        while not (probe / "ready").exists():
+            assert time.monotonic() < deadline and unit.alive(), docker("logs", unit.container_id).stderr
+            time.sleep(0.1)
+        assert ask_holder(probe) == "match"
+        images = tmp_path / "staging" / "restore-fill" / "units" / "solo"
+        docker_unit.checkpoint(unit, images)
+        unit.remove()
+        prepared = container_restore.prepare_restore(spec, images, "coldsnap-test-fill-restore-1", lazy=False)
+        assert prepared.fill and prepared.fill_split is not None and prepared.fill_split["bytes_moved"] >= 64 << 20, prepared.fill_split
+        home = prepared.images
+        assert (home / checkpoint_links.LEAVE_STOPPED).exists()
+        try:
+            restored = container_restore.start_from_checkpoint(prepared, "coldsnap-test-fill")
+        except BaseException:
+            prepared.remove()
+            raise
+        try:
+            assert restored.page_fill is not None and restored.page_fill["bytes"] >= 64 << 20 and restored.page_fill["threads"] >= 1, restored.page_fill
+            assert {"docker_start_checkpoint", "page_fill", "continue"} <= set(restored.steps), restored.steps
+            assert ask_holder(probe) == "match"
+        finally:
+            restored.remove()
+    finally:
+        unit.remove()
+    assert named("coldsnap-test-fill") == [] and named("coldsnap-test-fill-restore-1") == []
+
+
+def test_images_split_for_a_fill_are_refused_before_a_container_is_made_where_the_runtime_cannot_leave_the_tree_stopped(daemon, tmp_path, monkeypatch):
+    images = staged(tmp_path)
+    (images / "fill-1.json").write_text('{"pid": 1, "data": "fill-1.pages", "bytes": 8192, "runs": [[4096, 8192, 0]]}')
+    monkeypatch.setattr(lazy_runtime, "WRAPPER", tmp_path / "absent")
+    with pytest.raises(RestoreError) as err:
+        container_restore.prepare_restore(daemon, images, "coldsnap-test-split-1", lazy=False)
+    assert "\n" not in str(err.value) and "were split for a memory fill" in str(err.value) and "setup --docker" in str(err.value)
+    assert named("coldsnap-test-split-1") == [] and (images / "fill-1.json").exists()
 
 
 def test_a_stale_preparation_is_removed_with_its_images(daemon, tmp_path):

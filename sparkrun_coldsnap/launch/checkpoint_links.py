@@ -19,7 +19,9 @@ container, the ``..`` steps reach the host's root wherever containerd put the co
 (more of them than the copy is deep changes nothing: ``..`` of the root is the root).
 
 A ``lazy-pages.socket`` link says that memory comes on demand, and from where: the
-runtime in front of runc (lazy_runtime.py) sees it in the unpacked copy.
+runtime in front of runc (lazy_runtime.py) sees it in the unpacked copy. A
+``criu-leave-stopped.conf`` (a CRIU configuration file in the images, linked like them)
+asks the same runtime to have CRIU leave the tree stopped, for a memory fill.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from pathlib import Path
 
 #: CRIU's name for the lazy-pages daemon's socket, looked up in its work directory.
 LAZY_SOCKET = "lazy-pages.socket"
+#: A CRIU configuration file that leaves the restored tree stopped (see lazy_runtime.py).
+LEAVE_STOPPED = "criu-leave-stopped.conf"
 #: What the staged images hold beside CRIU's images, which the runtime must not see.
 PRIVATE_PREFIX = "coldsnap-"
 #: CRIU's own logs of the dump: not images, and a restore writes its own.
@@ -80,6 +84,11 @@ def link_images(images: Path, checkpoint_dir: Path, *, lazy: bool) -> int:
     if lazy:
         os.symlink(link_target(images / LAZY_SOCKET), checkpoint_dir / LAZY_SOCKET)
     return count
+
+
+def ask_leave_stopped(images: Path) -> None:
+    """Put in *images* the configuration file that has the runtime's CRIU leave the tree stopped."""
+    (images / LEAVE_STOPPED).write_text("leave-stopped\n")
 
 
 def points_into(copy: Path, images: Path) -> bool:

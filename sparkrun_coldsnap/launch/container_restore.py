@@ -8,13 +8,19 @@ Preparation (before eviction, off the clock):
   name (``--rm`` as sparkrun's own, and the memory-on-demand runtime when installed);
   load the captured writable layer; move the staged images to the container (a rename
   on tmpfs) and fill its checkpoint with links to them (checkpoint_links.py); when
-  memory comes on demand, start the lazy-pages daemon that will serve it.
+  memory comes on demand, start the lazy-pages daemon that will serve it. Otherwise,
+  where the page fill is on and the runtime can leave the restored tree stopped
+  (lazy_runtime.py), split the images for a fill (criu/page_fill.py): CRIU then restores
+  the big private anonymous areas as zeros, and the checkpoint asks for a stopped tree.
+  Images already split whose runtime cannot leave the tree stopped are refused here:
+  they must never start with zeros for memory.
 
 Activation (on the clock):
   take sparkrun's name, refusing when another container holds it; ``docker start
-  --checkpoint``; give the restored processes back their AMX tile permission
-  (host/xstate_perm.py). Then, off the clock, drop docker's checkpoint and containerd's
-  unpacked copy (both links).
+  --checkpoint``; with a fill, write the pages the split took out into the stopped
+  processes (by their host PIDs, from several threads); give the restored processes back
+  their AMX tile permission (host/xstate_perm.py); continue a stopped tree. Then, off the
+  clock, drop docker's checkpoint and containerd's unpacked copy (both links).
 
 Faults leave nothing behind: the container is removed (docker's ``--rm`` removes a
 container whose start failed, and a restarted daemon removes one it finds half-started),
@@ -26,15 +32,20 @@ waited for, so that the container can be removed once it is back.
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
 
+from sparkrun_coldsnap.criu import page_fill
 from sparkrun_coldsnap.criu import tree as criu_tree
 from sparkrun_coldsnap.criu.tool import Criu, log_tail
+from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.errors import RestoreError, ToolError
 from sparkrun_coldsnap.host import disk_room, paths, xstate_perm
+from sparkrun_coldsnap.host.process_tree import tree_pids
 from sparkrun_coldsnap.host.threads import start_thread
 from sparkrun_coldsnap.launch import checkpoint_leftovers, checkpoint_links, containerd_leftovers, lazy_runtime, volume_files
 from sparkrun_coldsnap.launch import docker as d
@@ -61,23 +72,28 @@ def check_room(layer: Path) -> None:
         raise RestoreError("not enough disk space under docker's root %s for the restored container: its writable layer needs about %.2f GB, %.2f GB are free; free space there and run again" % (root, need / 1e9, free / 1e9))
 
 
-def prepare_restore(spec: d.ContainerSpec, images: Path, temp_name: str, *, lazy: bool | None = None) -> d.ContainerUnit:
+def prepare_restore(spec: d.ContainerSpec, images: Path, temp_name: str, *, lazy: bool | None = None, fill: bool | None = None) -> d.ContainerUnit:
     """Create the new container under *temp_name* and load it (before eviction); *images* become
-    its own. *lazy*: restore memory on demand (None: whenever this host can)."""
+    its own. *lazy*: restore memory on demand (None: whenever this host can). *fill*: without
+    memory on demand, write the big areas after CRIU from several threads (None: as the
+    page fill setting says), where the runtime can leave the tree stopped for it."""
     d.remove_stale(temp_name.rsplit("-", 1)[0] + "-")
     check_room(images / d.ROOTFS_TAR)
     volume_files.put_back(images, spec.volumes)
     spec.prepare_host()
     lazy = memory_on_demand() if lazy is None else lazy and memory_on_demand()
+    split = _split_for_fill(images, lazy=lazy, wanted=settings.current().page_fill_threads > 0 if fill is None else fill)
+    filling = split is not None and page_fill.fill_planned(images)
+    lazy = lazy and not filling  # the fill writes every page before the tree runs
     home = checkpoint_links.home_for(images, temp_name)
     # The label names the images' new home, so that a later preparation can remove both
     # when this one never reaches its activation.
     spec = dataclasses.replace(spec, labels={**spec.labels, d.IMAGES_LABEL: str(home)})
-    out = d.docker(*spec.create_args(temp_name, auto_remove=True, runtime=lazy_runtime.NAME if lazy else None), check=False, timeout=300)
+    out = d.docker(*spec.create_args(temp_name, auto_remove=True, runtime=lazy_runtime.NAME if lazy or filling else None), check=False, timeout=300)
     if out.returncode != 0:
         raise RestoreError("creating the container for the restore failed: %s" % out.tail(1))
     cid = out.stdout.strip().splitlines()[-1]
-    unit = d.ContainerUnit(temp_name, cid, spec)
+    unit = d.ContainerUnit(temp_name, cid, spec, fill_split=split)
     try:
         rootfs = images / d.ROOTFS_TAR
         if rootfs.exists():
@@ -86,8 +102,10 @@ def prepare_restore(spec: d.ContainerSpec, images: Path, temp_name: str, *, lazy
             if cp.returncode != 0:
                 raise RestoreError("loading the captured writable layer into the new container failed: %s" % cp.stderr.strip()[-300:])
         unit.images = checkpoint_links.own_images(images, home)
+        if filling:
+            checkpoint_links.ask_leave_stopped(unit.images)
         checkpoint_links.link_images(unit.images, d.container_dir(cid) / "checkpoints" / d.CHECKPOINT, lazy=lazy)
-        unit.lazy = lazy
+        unit.lazy, unit.fill = lazy, filling
         if lazy:
             # Memory on demand: the tree resumes before its memory is copied, and this daemon
             # fills each page when it is first touched, then removes the images once every
@@ -100,12 +118,28 @@ def prepare_restore(spec: d.ContainerSpec, images: Path, temp_name: str, *, lazy
     return unit
 
 
+def _split_for_fill(images: Path, *, lazy: bool, wanted: bool) -> dict | None:
+    """Split *images* for a fill when *wanted* and the runtime can leave the tree stopped; what
+    the split did (None: no split). Images an earlier preparation split are refused where
+    the runtime cannot: CRIU would restore their big areas as zeros and let them run."""
+    runtimes = d.info().get("runtimes", "")
+    if page_fill.fill_planned(images):
+        if not lazy_runtime.leaves_stopped(runtimes):
+            why = "docker's runtime %s is not installed or cannot leave the restored tree stopped for it" % lazy_runtime.NAME
+            raise RestoreError("the staged images in %s were split for a memory fill, but %s: run `sparkrun coldsnap setup --docker`, then restore again" % (images, why))
+        return page_fill.split_for_fill(images).to_json()  # counts what the earlier split moved
+    if lazy or not wanted or not lazy_runtime.leaves_stopped(runtimes):
+        return None  # CRIU writes every page itself
+    return page_fill.split_for_fill(images).to_json()
+
+
 def start_from_checkpoint(unit: d.ContainerUnit, name: str) -> d.ContainerUnit:
     """Give the prepared container sparkrun's *name* (the old workload is gone by now) and
     resume it from its checkpoint.
 
-    The seconds each step took land in ``unit.steps``; the processes given back their AMX
-    tile permission in ``unit.amx_permission``.
+    The seconds each step took land in ``unit.steps``; what the memory fill did in
+    ``unit.page_fill``; the processes given back their AMX tile permission in
+    ``unit.amx_permission``.
     """
     images = unit.images
     assert images is not None, "start of a container that was not prepared"
@@ -126,12 +160,23 @@ def start_from_checkpoint(unit: d.ContainerUnit, name: str) -> d.ContainerUnit:
     if out.returncode != 0:
         _give_up(unit, out.tail(1))
     t = _step(steps, "docker_start_checkpoint", t)
+    root = unit.root_pid
+    if unit.fill:
+        _fill(unit, images, root)
+        t = _step(steps, "page_fill", t)
     # runc's CRIU restored the tree without its AMX tile permission: the container's processes
     # are the host's too (by their host PIDs, under the container's init), asked again here,
-    # before anything reaches the engine.
-    unit.amx_permission = xstate_perm.give_back_tiles(unit.root_pid, unit_name=unit.name)
+    # before anything reaches the engine (a filled tree is still stopped).
+    unit.amx_permission = xstate_perm.give_back_tiles(root, unit_name=unit.name)
     if unit.amx_permission is not None:
-        _step(steps, "amx_permission", t)
+        t = _step(steps, "amx_permission", t)
+    if unit.fill:
+        for pid in tree_pids(root):
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                continue
+        _step(steps, "continue", t)
     # From here on the daemon, if any, lives as long as the restored tree needs it.
     unit.lazy_daemon, unit.images = None, None
     # Clearing up after the start is off the clock: docker's checkpoint (links) and
@@ -139,6 +184,25 @@ def start_from_checkpoint(unit: d.ContainerUnit, name: str) -> d.ContainerUnit:
     # thread the interpreter waits for at exit, so it ends before `sparkrun run` does.
     start_thread(_after_start, unit.container_id, images, unit.lazy, name="coldsnap-restore-cleanup")
     return unit
+
+
+def _fill(unit: d.ContainerUnit, images: Path, root: int) -> None:
+    """Write the pages the split took out of *images* into the container's stopped tree at
+    *root* (a host PID); on failure remove the container, which would run with zeros."""
+    try:
+        if root <= 1:
+            raise RestoreError("docker reports no running init for the container")
+        report = page_fill.fill(images, root, threads=max(1, settings.current().page_fill_threads))
+    except BaseException as err:
+        _drop_unpacked(images)
+        unit.remove()
+        left = d.leftover_pids(unit.container_id)
+        if left:
+            d.kill_pids(left)
+        if isinstance(err, (RestoreError, OSError, ValueError, KeyError)):
+            raise RestoreError("the memory fill of the restored container %s failed: %s; the container was removed" % (unit.name, err)) from err
+        raise
+    unit.page_fill = report.to_json()
 
 
 def _take_name(unit: d.ContainerUnit, name: str) -> None:

@@ -71,6 +71,9 @@ class StagedContainer:
         tiles = getattr(running, "amx_permission", None)
         if tiles is not None:
             self.details["amx_permission"] = tiles
+        filled = getattr(running, "page_fill", None)
+        if filled is not None:
+            self.details["page_fill"] = filled
         return running
 
     def discard(self) -> None:
@@ -141,6 +144,10 @@ class Containers(Launcher):
             staged = StagedContainer(driver, self._prepare(driver, image, images, spec, temp))
         finally:
             paths.remove_staging(staging)  # the container holds its own copy now
+        prepared = staged.container.unit if isinstance(staged.container, gpu_container.PreparedGpuContainer) else staged.container
+        split = getattr(prepared, "fill_split", None)
+        if split is not None:
+            staged.details["staged_images"] = {"page_fill_split": split}
         return staged
 
     def _prepare(self, driver: SnapshotDriver, image: UnitImage, images: Path, spec: ContainerSpec, temp: str) -> Any:

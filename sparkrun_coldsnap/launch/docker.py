@@ -216,6 +216,12 @@ class ContainerUnit:
     lazy_daemon: Any = None
     #: a restore's processes given back their AMX tile permission (None: the host has no tiles)
     amx_permission: dict[str, int] | None = None
+    #: the prepared restore leaves the tree stopped, for a memory fill of the pages its images'
+    #: split took out (criu/page_fill.py)
+    fill: bool = False
+    #: what that split did, and what the fill did (for the receipt)
+    fill_split: dict[str, Any] | None = None
+    page_fill: dict[str, Any] | None = None
 
     @property
     def root_pid(self) -> int:

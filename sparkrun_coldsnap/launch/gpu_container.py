@@ -22,7 +22,9 @@ restored and unlocked again, and the container goes on serving. The PIDs recorde
 those inside the container's PID namespace, which CRIU gives back.
 
 Restore: ``docker start --checkpoint`` (runc recreates the devices and the driver's
-mounts, CRIU the tree, still checkpointed), the recorded namespace PIDs mapped to the
+mounts, CRIU the tree, still checkpointed; with a page fill, the tree's big areas are
+written and the tree continued before it returns, as on the host path, before any
+CUDA restore), the recorded namespace PIDs mapped to the
 new host PIDs, then restore every process before unlocking any; a failure removes the
 container. The engine then wakes and hydrates its weights (the controller).
 """
