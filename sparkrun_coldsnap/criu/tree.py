@@ -37,7 +37,7 @@ from sparkrun_coldsnap.documents.driver_data import DriverData
 from sparkrun_coldsnap.documents.unit_image import SharedFile, UnitImage
 from sparkrun_coldsnap.errors import CaptureError, RestoreError
 from sparkrun_coldsnap.host import connections, major_faults, paths, peer_lock, xstate_perm
-from sparkrun_coldsnap.host.process_tree import fd_targets, kill_tree, remove_leaked_semaphores, shared_memory_files, tree_pids, users_of
+from sparkrun_coldsnap.host.process_tree import continue_tree, fd_targets, kill_tree, remove_leaked_semaphores, shared_memory_files, tree_pids, users_of
 from sparkrun_coldsnap.host.runner import run
 from sparkrun_coldsnap.host.sparse import copy_sparse
 from sparkrun_coldsnap.progress import Report as Progress
@@ -470,8 +470,4 @@ def continue_restored(unit: UnitImage, images: Path, root_pid: int, *, filling: 
     # stopped either way, and the coordinator continues every unit at once.
     if unit.driver_data.peer_connections:
         return
-    for pid in tree_pids(root_pid):
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            continue
+    continue_tree(root_pid)

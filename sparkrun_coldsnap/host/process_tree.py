@@ -137,6 +137,16 @@ def users_of(paths: set[str], *, exclude: frozenset[int] = frozenset()) -> dict[
     return found
 
 
+def continue_tree(root_pid: int) -> None:
+    """SIGCONT every process of the tree at *root_pid* (one left stopped by a restore); one
+    already gone is skipped."""
+    for pid in tree_pids(root_pid):
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            continue
+
+
 def kill_tree(root_pid: int, *, grace: float = 10.0) -> None:
     """Stop a unit: SIGTERM to its process group, SIGKILL what remains after *grace*.
 

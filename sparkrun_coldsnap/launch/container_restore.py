@@ -32,9 +32,7 @@ waited for, so that the container can be removed once it is back.
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -45,7 +43,7 @@ from sparkrun_coldsnap.criu.tool import Criu, log_tail
 from sparkrun_coldsnap.documents import settings
 from sparkrun_coldsnap.errors import RestoreError, ToolError
 from sparkrun_coldsnap.host import disk_room, paths, xstate_perm
-from sparkrun_coldsnap.host.process_tree import tree_pids
+from sparkrun_coldsnap.host.process_tree import continue_tree
 from sparkrun_coldsnap.host.threads import start_thread
 from sparkrun_coldsnap.launch import checkpoint_leftovers, checkpoint_links, containerd_leftovers, lazy_runtime, volume_files
 from sparkrun_coldsnap.launch import docker as d
@@ -122,15 +120,14 @@ def _split_for_fill(images: Path, *, lazy: bool, wanted: bool) -> dict | None:
     """Split *images* for a fill when *wanted* and the runtime can leave the tree stopped; what
     the split did (None: no split). Images an earlier preparation split are refused where
     the runtime cannot: CRIU would restore their big areas as zeros and let them run."""
-    runtimes = d.info().get("runtimes", "")
-    if page_fill.fill_planned(images):
-        if not lazy_runtime.leaves_stopped(runtimes):
-            why = "docker's runtime %s is not installed or cannot leave the restored tree stopped for it" % lazy_runtime.NAME
-            raise RestoreError("the staged images in %s were split for a memory fill, but %s: run `sparkrun coldsnap setup --docker`, then restore again" % (images, why))
-        return page_fill.split_for_fill(images).to_json()  # counts what the earlier split moved
-    if lazy or not wanted or not lazy_runtime.leaves_stopped(runtimes):
+    can_stop = lazy_runtime.leaves_stopped(d.info().get("runtimes", ""))
+    already_split = page_fill.fill_planned(images)
+    if already_split and not can_stop:
+        why = "docker's runtime %s is not installed or cannot leave the restored tree stopped for it" % lazy_runtime.NAME
+        raise RestoreError("the staged images in %s were split for a memory fill, but %s: run `sparkrun coldsnap setup --docker`, then restore again" % (images, why))
+    if not already_split and (lazy or not wanted or not can_stop):
         return None  # CRIU writes every page itself
-    return page_fill.split_for_fill(images).to_json()
+    return page_fill.split_for_fill(images).to_json()  # an earlier split's images: counts what it moved
 
 
 def start_from_checkpoint(unit: d.ContainerUnit, name: str) -> d.ContainerUnit:
@@ -171,11 +168,7 @@ def start_from_checkpoint(unit: d.ContainerUnit, name: str) -> d.ContainerUnit:
     if unit.amx_permission is not None:
         t = _step(steps, "amx_permission", t)
     if unit.fill:
-        for pid in tree_pids(root):
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                continue
+        continue_tree(root)
         _step(steps, "continue", t)
     # From here on the daemon, if any, lives as long as the restored tree needs it.
     unit.lazy_daemon, unit.images = None, None
