@@ -120,3 +120,80 @@ def test_copies_for_containers_are_directories_of_one_shared_tmpfs_that_grows_wi
     assert not first.directory.exists() and second.directory.exists() and str(root) in mounts()
     second.release()
     assert list(root.iterdir()) == []
+
+
+def test_a_containers_engine_finds_the_images_packages_beside_the_adapters_extension(monkeypatch):
+    """``-e PYTHONPATH=`` replaces what the image sets: an image keeping vLLM on PYTHONPATH
+    (/opt/engine-site) started an engine that could not import vllm once the worker
+    extension's directory was put there alone."""
+    from sparkrun_coldsnap.engines.vllm import VllmAdapter
+    from sparkrun_coldsnap.launch import docker
+
+    asked = []
+    monkeypatch.setattr(docker, "image_env", lambda image: asked.append(image) or {"PATH": "/usr/bin", "PYTHONPATH": "/opt/engine-site"})
+    monkeypatch.setattr(containers, "unit_gpus", lambda workload: ())  # no GPU here: no device entries
+    workload = gpu_container_workload()
+    command, env = VllmAdapter().prepare_launch("vllm serve /m", containers.Containers().engine_env(workload, None, {}), release_weights=True, native_weights=True)
+    spec = containers.container_spec(workload, command, env)
+    assert asked == ["sha256:" + "a" * 64] and spec.env["PYTHONPATH"] == "%s:/opt/engine-site" % ENGINE_SIDE_DIR and "PATH" not in spec.env
+    # Nothing put on PYTHONPATH: the image's stays the image's, nothing asked.
+    assert "PYTHONPATH" not in containers.container_spec(workload, "vllm serve /m", {}).env and len(asked) == 1
+    # A recipe that sets PYTHONPATH itself decides, as docker would let it.
+    own = workload.model_copy(update={"launch": workload.launch.model_copy(update={"env": {"PYTHONPATH": "/mine"}})})
+    _, env = VllmAdapter().prepare_launch("vllm serve /m", containers.Containers().engine_env(own, None, {}), release_weights=True, native_weights=True)
+    assert containers.container_spec(own, "vllm serve /m", env).env["PYTHONPATH"] == "%s:/mine" % ENGINE_SIDE_DIR and len(asked) == 1
+
+
+def test_image_env_reads_the_environment_an_image_sets(docker_daemon, tmp_path):
+    import subprocess
+
+    from sparkrun_coldsnap.launch import docker
+
+    (tmp_path / "root" / "opt" / "engine-site").mkdir(parents=True)
+    tar = subprocess.Popen(["tar", "-C", str(tmp_path / "root"), "-c", "."], stdout=subprocess.PIPE)
+    made = subprocess.run(["docker", "import", "--change", "ENV PYTHONPATH=/opt/engine-site", "-", "coldsnap-test/image-env:1"], stdin=tar.stdout, capture_output=True, text=True)
+    tar.wait()
+    assert made.returncode == 0, made.stderr
+    try:
+        assert docker.image_env(made.stdout.strip())["PYTHONPATH"] == "/opt/engine-site"
+        assert docker.image_env("coldsnap-test/not-here:1") == {}
+    finally:
+        subprocess.run(["docker", "image", "rm", "-f", "coldsnap-test/image-env:1"], capture_output=True)
+
+
+def test_a_gpu_containers_binds_include_the_drivers_files(monkeypatch):
+    """runc makes a mount point for every bind in the container's writable layer, the driver's
+    files included; the captured layer must leave each of them out."""
+    from sparkrun_coldsnap.launch import gpu_devices
+
+    monkeypatch.setattr(gpu_devices, "device_args", lambda gpus: ["--device", "/dev/nvidia0", "-v", "/lib/libcuda.so.1:/lib/libcuda.so.1:ro"])
+    spec = ContainerSpec(image="sha256:" + "b" * 64, command="x", env={}, volumes={"/srv/hf": "/cache/huggingface"}, gpus=("0",),
+                         weights_volumes={"native": "/home/x/native"})  # fmt: skip
+    assert sorted(spec.bind_targets()) == ["/cache/huggingface", "/home/x/native", "/lib/libcuda.so.1"]
+
+
+def test_the_captured_layer_leaves_out_mount_points_reached_through_the_images_links(tmp_path):
+    """A bind at /lib/libcuda.so in an image whose /lib links to usr/lib has its mount point at
+    usr/lib/libcuda.so in the writable layer; loading that into the restored container failed
+    with "unlinkat /usr/lib/libcuda.so: device or resource busy"."""
+    import tarfile
+
+    from sparkrun_coldsnap.launch import docker
+
+    image = tmp_path / "image"
+    (image / "usr" / "lib").mkdir(parents=True)
+    (image / "lib").symlink_to("usr/lib")
+    (image / "opt").mkdir()
+    (image / "opt" / "site").symlink_to("/usr/lib/site")  # an absolute link, read inside the image
+    upper = tmp_path / "upper"
+    for name in ("usr/lib/libcuda.so", "usr/lib/site/ext.py", "usr/local/nvidia/lib64/libcuda.so", "root/.cache/kept.txt"):
+        (upper / name).parent.mkdir(parents=True, exist_ok=True)
+        (upper / name).write_text("")
+    assert docker.resolve_in_layers("/lib/libcuda.so", [upper, image]) == "usr/lib/libcuda.so"
+    assert docker.resolve_in_layers("/opt/site/ext.py", [upper, image]) == "usr/lib/site/ext.py"
+    assert docker.resolve_in_layers("/lib", [upper, image]) == "lib"  # the last name is the mount point itself
+    target = tmp_path / "layer.tar"
+    docker.write_rootfs_tar(upper, target, mount_points=["/lib/libcuda.so:ro", "/opt/site/ext.py", "/usr/local/nvidia/lib64/libcuda.so"], layers=[upper, image])
+    with tarfile.open(target) as tar:
+        files = sorted(m.name for m in tar.getmembers() if m.isfile())
+    assert files == ["root/.cache/kept.txt"]

@@ -6,11 +6,15 @@
 # set by `docker import --change`.
 #   bash benchmarks/gpu/engine_image.sh          # import it as $TAG (once: an existing tag is kept)
 #   bash benchmarks/gpu/engine_image.sh sizes    # only how big it would be (du: a few seconds, nothing read)
+#   bash benchmarks/gpu/engine_image.sh base     # only the machine's part, as $TAG's base: it needs no
+#                                                # engine, so it can be imported while vLLM's pieces travel;
+#                                                # the plain command then adds the engine's packages as one
+#                                                # layer (docker cp + commit) in seconds instead of importing all
 # After `docker.sh up` and `device.sh engine`.
 #
 # How far this is from a vendor image (vllm/vllm-openai, NGC's): the same kind of contents (an
 # Ubuntu user space, CPython, torch with CUDA's pip libraries, vLLM), but built from this
-# machine's own files in one layer rather than from a Dockerfile in many; vLLM and its extras sit
+# machine's own files in one or two layers rather than from a Dockerfile in many; vLLM and its extras sit
 # on PYTHONPATH beside the torch environment instead of inside it; there is no ENTRYPOINT (the
 # recipe's command is the whole command line: `vllm serve ...`). Like a vendor image it holds
 # no driver: the driver's files the GPU path mounts into the container (launch/gpu_devices.py)
@@ -39,7 +43,8 @@ PY=${PY:-python3}
 IMAGE_SITE=/opt/engine-site
 export PYTHONPATH=${PYTHONPATH:-$WORK/plugin-site}
 
-for p in "$VENV" "$ENGINE_SITE"; do [ -d "$p" ] || { echo "$p is missing: run device.sh engine first (or set VENV / ENGINE_SITE)" >&2; exit 1; }; done
+[ "${1:-}" = base ] && needed=("$VENV") || needed=("$VENV" "$ENGINE_SITE")
+for p in "${needed[@]}"; do [ -d "$p" ] || { echo "$p is missing: run device.sh engine first (or set VENV / ENGINE_SITE)" >&2; exit 1; }; done
 site=$(ls -d "$VENV"/lib/python3.*/site-packages)
 py_minor=$(basename "$(dirname "$site")")
 
@@ -65,6 +70,12 @@ fi
 if docker image inspect "$TAG" > /dev/null 2>&1; then
   echo "image $TAG already here: $(docker image inspect --format '{{.Id}}' "$TAG")"; exit 0
 fi
+BASE_TAG=${TAG%:*}-base:${TAG##*:}
+BASE_PID=$WORK/image-base.pid
+if [ "${1:-}" != base ] && [ -s "$BASE_PID" ]; then
+  # A base import started earlier (in the background) is awaited rather than done twice.
+  while kill -0 "$(cat "$BASE_PID")" 2>/dev/null; do sleep 1; done
+fi
 
 # `vllm` in the recipe's command is the engine's console script: it must start the torch
 # environment's Python (pip writes the interpreter that installed it), or torch is not found.
@@ -81,17 +92,37 @@ mkdir -p "$skel/tmp" "$skel/var/tmp" "$skel/root" "$skel/run" "$skel/home"
 chmod 1777 "$skel/tmp" "$skel/var/tmp"
 chmod 700 "$skel/root"
 start=$(date +%s%N)
+# The image's settings, the same whether it is imported whole or as a base with a layer on top.
+changes=(--change "ENV PATH=$VENV/bin:$IMAGE_SITE/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+         --change "ENV PYTHONPATH=$IMAGE_SITE" --change "ENV VIRTUAL_ENV=$VENV"
+         --change "WORKDIR /root" --change "CMD [\"$VENV/bin/python3\"]")
+if [ "${1:-}" = base ]; then
+  if docker image inspect "$BASE_TAG" > /dev/null 2>&1; then echo "image $BASE_TAG already here"; exit 0; fi
+  echo $$ > "$BASE_PID"
+  # The engine's directory, empty: the layer on top copies into it.
+  mkdir -p "$skel$IMAGE_SITE"
+  tar -C / -c --numeric-owner "${excludes[@]}" "${members[@]}" -C "$skel" tmp var/tmp root run home "${IMAGE_SITE#/}" \
+    | docker import "${changes[@]}" --message "the GPU machine's $py_minor and $VENV, imported by benchmarks/gpu/engine_image.sh base" - "$BASE_TAG"
+  echo "imported $BASE_TAG in $(( ($(date +%s%N) - start) / 1000000 )) ms"
+  rm -f "$BASE_PID"
+  exit 0
+fi
+if docker image inspect "$BASE_TAG" > /dev/null 2>&1; then
+  # The engine's packages as one layer on the base: a container of it, the site copied in, committed.
+  cid=$(docker create "$BASE_TAG")
+  trap 'rm -rf "$skel"; docker rm "$cid" > /dev/null' EXIT
+  docker cp "$ENGINE_SITE/." "$cid:$IMAGE_SITE"
+  docker commit --message "$ENGINE_SITE as $IMAGE_SITE" "$cid" "$TAG" > /dev/null
+  echo "layered $ENGINE_SITE on $BASE_TAG as $TAG in $(( ($(date +%s%N) - start) / 1000000 )) ms: $(docker image inspect --format '{{.Id}} {{.Size}} bytes' "$TAG")"
+  docker run --rm --network none "$TAG" python3 -c "import sys; print(sys.version.split()[0], sys.prefix); import importlib.util as u; print('engine packages from', u.find_spec('${PROBE_MODULE:-vllm}').origin)"
+  exit 0
+fi
 # One stream, two roots: the machine's files at their own paths, the engine's packages renamed
 # to IMAGE_SITE (the transform applies to that root's members only: none of / starts so).
 name=$(basename "$ENGINE_SITE")
 tar -C / -c --numeric-owner "${excludes[@]}" --transform="s,^$name\\(/\\|\$\\),${IMAGE_SITE#/}\\1," \
     "${members[@]}" -C "$(dirname "$ENGINE_SITE")" "$name" -C "$skel" tmp var/tmp root run home \
-  | docker import \
-      --change "ENV PATH=$VENV/bin:$IMAGE_SITE/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
-      --change "ENV PYTHONPATH=$IMAGE_SITE" \
-      --change "ENV VIRTUAL_ENV=$VENV" \
-      --change "WORKDIR /root" \
-      --change "CMD [\"$VENV/bin/python3\"]" \
+  | docker import "${changes[@]}" \
       --message "the GPU machine's $py_minor, $VENV and $ENGINE_SITE, imported by benchmarks/gpu/engine_image.sh" \
       - "$TAG"
 echo "imported $TAG in $(( ($(date +%s%N) - start) / 1000000 )) ms: $(docker image inspect --format '{{.Id}} {{.Size}} bytes' "$TAG")"

@@ -22,11 +22,11 @@ split -b 58m -d "$OUT"/vllm-whole/vllm-0.26.0-*.whl "$OUT/vllm/vllm.whl.part"
 ls "$OUT"/vllm-whole/ > "$OUT/vllm/NAME"
 rm -rf "$OUT/vllm-whole"
 
-# The plugin with sparkrun's exact pins (its pydantic differs from vLLM's): a target of its own.
-# What the machine's image already has (numpy, matplotlib, pillow, ...) is not carried.
-pip download --quiet "${PLAT[@]}" -d "$OUT/plugin" sparkrun==0.4.2 pluggy oras psutil zstandard blosc2 requests rich jsonschema pyelftools "protobuf>=5.26"
-rm -f "$OUT"/plugin/{numpy,matplotlib,pillow,fonttools,contourpy,kiwisolver,cycler,pyparsing,python_dateutil}-*.whl
+# The plugin with sparkrun's exact pins (its pydantic differs from vLLM's): a target of its own,
+# everything the plugin's wheel declares, resolved for the GPU machine's platform. numpy too: the
+# image has it only inside its torch environment, and the plugin runs on the system's Python.
 .venv/bin/pip wheel --quiet --no-deps -w "$OUT/plugin" .
+pip download --quiet "${PLAT[@]}" -d "$OUT/plugin" "$(ls "$OUT"/plugin/sparkrun_coldsnap-*.whl)"
 
 # CRIU 4.2.1 and the libraries it links (the same packages `sparkrun coldsnap setup --criu` unpacks).
 .venv/bin/python - "$OUT/criu" <<'PY'

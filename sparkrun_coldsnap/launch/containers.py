@@ -33,7 +33,7 @@ def container_spec(workload: Workload, command: str, env: Mapping[str, str], lab
         image=workload.launch.image.split("@", 1)[1],
         image_name=workload.launch.image.split("@", 1)[0],
         command=command,
-        env=dict(env),
+        env=with_image_pythonpath(workload, env),
         volumes=dict(workload.launch.volumes),
         shm_size=workload.launch.shm_size or "32g",
         labels=dict(labels or {}),
@@ -42,6 +42,22 @@ def container_spec(workload: Workload, command: str, env: Mapping[str, str], lab
         # restore needs the same mounts, so they are there from the capture on.
         weights_volumes=container_mounts.for_capture() if workload.driver != "cpu" else {},
     )
+
+
+def with_image_pythonpath(workload: Workload, env: Mapping[str, str]) -> dict[str, str]:
+    """*env* with the image's own PYTHONPATH after what the plugin put there.
+
+    An engine adapter puts its extension's directory on the engine's PYTHONPATH; a container's
+    ``-e PYTHONPATH=`` replaces what the image sets rather than extending it, and an image that
+    keeps its engine's packages on PYTHONPATH would start an engine that cannot import itself.
+    A recipe that sets PYTHONPATH decides alone, as docker lets it."""
+    out = dict(env)
+    added = out.get("PYTHONPATH")
+    if added and "PYTHONPATH" not in workload.launch.env and workload.launch.image:
+        image_path = docker.image_env(workload.launch.image.split("@", 1)[-1]).get("PYTHONPATH")
+        if image_path and image_path not in added.split(os.pathsep):
+            out["PYTHONPATH"] = os.pathsep.join((added, image_path))
+    return out
 
 
 def unit_gpus(workload: Workload) -> tuple[str, ...]:

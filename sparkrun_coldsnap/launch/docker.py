@@ -135,6 +135,18 @@ def image_id(image: str) -> str:
     return out.stdout.strip()
 
 
+def image_env(image: str) -> dict[str, str]:
+    """The environment *image* sets (its ENV lines); empty where the image is not here."""
+    try:
+        out = docker("image", "inspect", "--format", "{{json .Config.Env}}", image, check=False, timeout=60)
+    except ToolError:
+        return {}
+    if out.returncode != 0:
+        return {}
+    pairs = json.loads(out.stdout or "null") or []
+    return dict(p.split("=", 1) for p in pairs if "=" in p)
+
+
 @dataclass(frozen=True)
 class ContainerSpec:
     """Everything ``docker create`` needs, recorded in the capsule to recreate the container."""
@@ -180,6 +192,12 @@ class ContainerSpec:
         # The engine is the main process; its output goes where sparkrun logs reads.
         args += [self.image, "bash", "-c", "exec %s > %s 2>&1" % (self.command, LOG_IN_CONTAINER)]
         return args
+
+    def bind_targets(self) -> list[str]:
+        """Every path in the container that ``docker create`` binds from the host: the recipe's
+        volumes, the native weights' directories and, for a GPU container, the driver's files."""
+        args = self.create_args("bind-targets")
+        return [args[i + 1].split(":")[1] for i, a in enumerate(args[:-1]) if a == "-v"]
 
     def to_json(self) -> dict:
         doc = {"image": self.image, "command": self.command, "env": dict(self.env), "volumes": dict(self.volumes), "shm_size": self.shm_size}
@@ -291,6 +309,47 @@ def upper_dir(container: str) -> Path:
     return Path(out.stdout.strip())
 
 
+def layer_dirs(container: str) -> list[Path]:
+    """The container's file system as overlay2 stacks it, top first: its writable layer, then
+    the image's layers (docker's init layer first)."""
+    out = docker("inspect", "--format", "{{.GraphDriver.Data.UpperDir}}|{{.GraphDriver.Data.LowerDir}}", container, timeout=60)
+    upper, _, lower = out.stdout.strip().partition("|")
+    return [Path(p) for p in [upper, *lower.split(":")] if p and p != "<no value>"]
+
+
+def resolve_in_layers(path: str, layers: Iterable[Path], *, max_links: int = 40) -> str:
+    """*path* as the container's processes reach it: the symbolic links among its directories
+    followed through the stacked *layers* (the topmost that has a name decides), relative to the
+    container's root. The last name is not followed: a mount point is the name itself."""
+    layers = list(layers)
+    todo = [p for p in path.split("/") if p]
+    done: list[str] = []
+    links = 0
+    while todo:
+        name = todo.pop(0)
+        if name == ".":
+            continue
+        if name == "..":
+            if done:
+                done.pop()
+            continue
+        link = None
+        if todo:  # a directory on the way
+            for layer in layers:
+                here = layer.joinpath(*done, name)
+                if os.path.lexists(here):
+                    link = os.readlink(here) if here.is_symlink() else None
+                    break
+        if link is None or links >= max_links:
+            done.append(name)
+            continue
+        links += 1
+        if link.startswith("/"):
+            done = []
+        todo = [p for p in link.split("/") if p] + todo
+    return "/".join(done)
+
+
 def container_dir(container_id: str) -> Path:
     return Path(info()["root_dir"]) / "containers" / container_id
 
@@ -318,8 +377,9 @@ def checkpoint(unit: ContainerUnit, images: Path) -> None:
     if (cache_files / volume_files.STORED).exists():
         os.rename(cache_files / volume_files.STORED, images / volume_files.STORED)
     shutil.rmtree(cache_files, ignore_errors=True)
-    binds = [*unit.spec.volumes.values(), *unit.spec.weights_volumes.values()] if unit.spec is not None else []
-    write_rootfs_tar(upper_dir(unit.container_id), images / ROOTFS_TAR, mount_points=binds)
+    binds = unit.spec.bind_targets() if unit.spec is not None else []
+    layers = layer_dirs(unit.container_id)
+    write_rootfs_tar(layers[0], images / ROOTFS_TAR, mount_points=binds, layers=layers)
 
 
 #: runc names CRIU's log of a failed checkpoint in its error: ``path= <task dir>/criu-dump.log``.
@@ -339,11 +399,18 @@ def keep_dump_log(error: str, name: str) -> Path | None:
     return kept
 
 
-def write_rootfs_tar(upper: Path, target: Path, *, mount_points: Iterable[str] = ()) -> None:
+def write_rootfs_tar(upper: Path, target: Path, *, mount_points: Iterable[str] = (), layers: Iterable[Path] = ()) -> None:
     """The container's writable layer as a tar, without sockets or overlay whiteouts, and
-    without the directories runc made for the container's binds (*mount_points*): loaded into
-    the new container they would be written through its binds, and a read-only one refuses."""
-    skipped = {p.split(":", 1)[0].strip("/") for p in mount_points}  # a volume's target may carry :ro
+    without the files and directories runc made for the container's binds (*mount_points*):
+    loaded into the new container they would be written through its binds, and a read-only
+    one refuses. A bind's target is where the container's processes reach it, through the
+    image's links (*layers*, top first): a bind at /lib/x in an image whose /lib links to
+    usr/lib leaves its mount point at usr/lib/x."""
+    layers = list(layers) or [upper]
+    skipped: set[str] = set()
+    for point in mount_points:
+        point = point.split(":", 1)[0]  # a volume's target may carry :ro
+        skipped |= {point.strip("/"), resolve_in_layers(point, layers)}
 
     def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
         if info.name.strip("/") in skipped:

@@ -289,7 +289,7 @@ def keep_packed(directory: Path, files: tuple[ModelFile, ...], progress: Progres
         return {"skipped": "COLDSNAP_PACKED_PAYLOAD=off"}
     total = sum(f.size for f in files)
     try:
-        with progress.transfer("packing the native weight payload (%.1f GB)" % (total / 1e9), total) as tick:
+        with progress.transfer("packing the native weight payload", total) as tick:
             return dict(pack_payload(directory, files, tick=tick).as_details())
     except (OSError, ColdsnapError) as err:
         return {"skipped": str(err)}
