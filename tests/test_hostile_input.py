@@ -166,6 +166,8 @@ def test_a_layer_writes_only_plain_files_inside_its_staging(tmp_path_factory, me
         ([("solo/hard", "hardlink", 0, "solo/core-1.img")], "not a plain relative file"),
         ([("solo/dev", "chardev", 0, "")], "not a plain relative file"),
         ([("solo/a", "file", 10, ""), ("solo/a", "file", 10, "")], "twice"),
+        ([("solo", "file", 0, ""), ("solo/core-1.img", "dir", 0, "")], "under a file"),
+        ([("solo", "file", 0, ""), ("solo/core-1.img", "file", 10, "")], "names .*solo twice"),
     ],
 )
 def test_hostile_layers_are_refused_naming_the_member(tmp_path, members, why):

@@ -243,6 +243,8 @@ def unpack_layer(store: CapsuleStore, desc: Descriptor, dest: Path, *, tick: Tic
                     os.chmod(target, member.mode & 0o755)  # no setuid/setgid, nothing for others to write
         except FileExistsError as err:
             raise IntegrityError("layer %s names %s twice: refusing to unpack it" % (short(desc.digest), err.filename)) from err
+        except NotADirectoryError as err:  # a member under a name an earlier member made a file
+            raise IntegrityError("layer %s puts %s under a file: refusing to unpack it" % (short(desc.digest), err.filename)) from err
         except (tarfile.TarError, zstandard.ZstdError, EOFError) as err:
             blob.verify_rest()  # a damaged blob is the likelier story: say so if it is
             raise IntegrityError("layer %s is not a readable tar%s: %s" % (desc.digest, "" if desc.media_type in (media.LAYER_TAR, media.ENGINE_CACHE_TAR) else "+zstd", err)) from err

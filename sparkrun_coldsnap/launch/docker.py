@@ -184,19 +184,25 @@ class ContainerSpec:
             args += ["--label", "%s=%s" % (k, v)]
         for k, v in sorted(self.env.items()):
             args += ["-e", "%s=%s" % (k, v)]
+        args += self._bind_args()
+        # The engine is the main process; its output goes where sparkrun logs reads.
+        args += [self.image, "bash", "-c", "exec %s > %s 2>&1" % (self.command, LOG_IN_CONTAINER)]
+        return args
+
+    def _bind_args(self) -> list[str]:
+        """What the container gets from the host: the recipe's volumes, the native weights'
+        directories and, for a GPU container, its device nodes and the driver's files."""
+        args: list[str] = []
         for host, target in sorted(self.volumes.items()):
             args += ["-v", "%s:%s" % (host, target)]
         args += container_mounts.volume_args(self.weights_volumes)
         if self.gpus:
             args += gpu_devices.device_args(self.gpus)
-        # The engine is the main process; its output goes where sparkrun logs reads.
-        args += [self.image, "bash", "-c", "exec %s > %s 2>&1" % (self.command, LOG_IN_CONTAINER)]
         return args
 
     def bind_targets(self) -> list[str]:
-        """Every path in the container that ``docker create`` binds from the host: the recipe's
-        volumes, the native weights' directories and, for a GPU container, the driver's files."""
-        args = self.create_args("bind-targets")
+        """Every path in the container that ``docker create`` binds from the host."""
+        args = self._bind_args()
         return [args[i + 1].split(":")[1] for i, a in enumerate(args[:-1]) if a == "-v"]
 
     def to_json(self) -> dict:
@@ -407,10 +413,7 @@ def write_rootfs_tar(upper: Path, target: Path, *, mount_points: Iterable[str] =
     image's links (*layers*, top first): a bind at /lib/x in an image whose /lib links to
     usr/lib leaves its mount point at usr/lib/x."""
     layers = list(layers) or [upper]
-    skipped: set[str] = set()
-    for point in mount_points:
-        point = point.split(":", 1)[0]  # a volume's target may carry :ro
-        skipped |= {point.strip("/"), resolve_in_layers(point, layers)}
+    skipped = {resolve_in_layers(p.split(":", 1)[0], layers) for p in mount_points}  # a volume's target may carry :ro
 
     def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
         if info.name.strip("/") in skipped:
